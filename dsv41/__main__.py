@@ -1,0 +1,3 @@
+from dsv41.cli import main
+
+raise SystemExit(main())

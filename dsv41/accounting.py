@@ -1,0 +1,107 @@
+"""KV-cache accounting (DESIGN §5): bytes of global KV per token, computed from the config.
+
+Per-token global KV = Σ over the layers that store entries of (entry bytes) / ratio, where the
+entry bytes follow from the storage formats (`dsv41.formats`) and the plan decides which layers
+store. Window rings are a fixed per-sequence cost, reported separately.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from dsv41 import formats, schema
+from dsv41.config import family
+from dsv41.plan import layer_plan
+
+GB = 10**9
+
+
+def main_entry_parts(cfg) -> list[formats.Part]:
+    """The stored parts of one main global KV entry (V4.1: 512 FP4 + E4M3/16; V4: 448 FP8 + 64 BF16)."""
+    a, kv = cfg.architecture, cfg.kv_cache
+    if kv.global_kv_rope_dtype is None:
+        return [formats.make_part("kv_cache.global_kv", a.head_dim, kv.global_kv_dtype, kv.global_kv_scale)]
+    return [
+        formats.make_part("kv_cache.global_kv", a.head_dim - a.rope_head_dim, kv.global_kv_dtype, kv.global_kv_scale),
+        formats.make_part("kv_cache.global_kv_rope", a.rope_head_dim, kv.global_kv_rope_dtype),
+    ]
+
+
+def index_head_dim(cfg) -> int:
+    return cfg.csa2.indexer.head_dim if family(cfg) == schema.V41 else cfg.v4.indexer.head_dim
+
+
+def entry_bytes(cfg) -> dict[str, Fraction]:
+    """Bytes of one main entry, one indexer key and one window-ring row."""
+    kv = cfg.kv_cache
+    return {
+        "main": formats.entry_bytes(main_entry_parts(cfg), kv.global_kv_entry_align_bytes),
+        "index": formats.make_part("kv_cache.index_kv", index_head_dim(cfg), kv.index_kv_dtype, kv.index_kv_scale).bytes,
+        "window": formats.make_part("kv_cache.swa_kv", cfg.architecture.head_dim, kv.swa_kv_dtype, kv.swa_kv_scale).bytes,
+    }
+
+
+def _number(x: Fraction) -> int | float:
+    return int(x) if x.denominator == 1 else float(x)
+
+
+def kv_bytes_per_token(cfg) -> dict:
+    """Global KV bytes per token of a model (or reference layout) config.
+
+    Returns a dict with "total", "main" and "index" (bytes per token; int when whole), "model",
+    "gb_per_million_tokens", and for model configs also "entry_bytes", "without_sharing" (every
+    compressed layer storing its own entries and indexer keys), "per_layer" (bytes per token of each
+    storing layer) and "window_ring_bytes_per_sequence".
+    """
+    if family(cfg) == schema.LAYOUT:
+        return _layout_bytes(cfg)
+    sizes = entry_bytes(cfg)
+    plan = layer_plan(cfg)
+    main = index = unshared = Fraction(0)
+    per_layer = {}
+    for r in plan:
+        if r.ratio == 0:
+            continue
+        layer_main = sizes["main"] / r.ratio if r.stores_entries else Fraction(0)
+        layer_index = sizes["index"] / r.ratio if r.stores_index_keys else Fraction(0)
+        main += layer_main
+        index += layer_index
+        if layer_main or layer_index:
+            per_layer[r.index] = _number(layer_main + layer_index)
+        # Without cross-layer sharing every compressed layer keeps its own entries, plus indexer keys
+        # when it selects (V4 HCA layers attend all entries and keep none).
+        unshared += (sizes["main"] + (sizes["index"] if r.selects else 0)) / r.ratio
+    window = cfg.kv_cache.swa_window_size
+    return {
+        "model": cfg.model,
+        "total": _number(main + index),
+        "main": _number(main),
+        "index": _number(index),
+        "gb_per_million_tokens": float((main + index) * 10**6 / GB),
+        "entry_bytes": {k: _number(v) for k, v in sizes.items()},
+        "without_sharing": _number(unshared),
+        "per_layer": per_layer,
+        "window_ring_bytes_per_sequence": _number(len(plan) * window * sizes["window"]),
+        "window_ring_layout": {"layers": len(plan), "window": window, "row_bytes": _number(sizes["window"])},
+    }
+
+
+def _layout_bytes(cfg) -> dict:
+    lay = cfg.kv_layout
+    main = index = Fraction(0)
+    for i, p in enumerate(lay.parts):
+        part = formats.make_part(f"kv_layout.parts.{i}", p["dims"], p["dtype"], p.get("scale", "none"), p.get("count", 1))
+        if p.get("role", "main") == "index":
+            index += part.bytes
+        else:
+            main += part.bytes
+    aligned = formats.align_up(main + index, lay.entry_align_bytes)
+    pad = aligned - (main + index)
+    total = aligned * lay.layers
+    return {
+        "model": cfg.model,
+        "total": _number(total),
+        "main": _number((main + pad) * lay.layers),
+        "index": _number(index * lay.layers),
+        "gb_per_million_tokens": float(total * 10**6 / GB),
+    }

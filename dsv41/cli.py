@@ -1,0 +1,116 @@
+"""The `dsv41` command line (DESIGN §11). Reports print a table, or one JSON object with --json."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from dsv41 import accounting, plan
+from dsv41.config import family, load_config
+from dsv41.errors import ConfigError
+
+REPORT_CONFIGS = ("deepseek_v1_67b", "deepseek_v32", "v4_flash", "v41_flash")
+BASELINE = "v41_flash"
+
+
+def _add_config_args(p: argparse.ArgumentParser, default: str | None, repeat: bool = False) -> None:
+    help_config = "config name in configs/ or a .json/.toml/.py path"
+    if repeat:
+        p.add_argument("--config", action="append", default=[], help=help_config + " (repeatable)")
+    else:
+        p.add_argument("--config", default=default, help=f"{help_config} (default: {default})")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set csa2.indexer.top_k=64 (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _ratio_text(x: float) -> str:
+    return f"{x:.3g}×"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def cmd_plan(args) -> int:
+    cfg = load_config(args.config, args.set)
+    records = plan.layer_plan(cfg)
+    counts = plan.counts(records)
+    if args.json:
+        out = {"model": cfg.model, "layers": [dict(dataclasses.asdict(r), rope=r.rope) for r in records],
+               "counts": counts}
+        print(json.dumps(out))
+        return 0
+    dash = lambda v: "-" if v is None else v
+    rows = [[r.index, r.stage, r.mode, r.ratio, dash(r.kv_source), dash(r.index_source),
+             dash(r.candidate_source), "yes" if r.engram else "", r.rope] for r in records]
+    print(f"{cfg.model}: {len(records)} layers")
+    print(_table(rows, ["layer", "stage", "mode", "ratio", "kv_source", "index_source", "pool_source",
+                        "engram", "rope"]))
+    print("counts: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return 0
+
+
+def cmd_kv_report(args) -> int:
+    names = list(REPORT_CONFIGS) + list(args.config)
+    baseline = accounting.kv_bytes_per_token(load_config(BASELINE))["total"]
+    models = []
+    for name in names:
+        cfg = load_config(name, args.set if name in args.config else ())
+        kv = accounting.kv_bytes_per_token(cfg)
+        kv["config"] = name
+        kv["ratio_to_v41_flash"] = kv["total"] / baseline
+        kv["ratio_text"] = _ratio_text(kv["ratio_to_v41_flash"])
+        if family(cfg) != "layout":
+            kv["per_layer"] = {str(k): v for k, v in kv["per_layer"].items()}
+        models.append(kv)
+    if args.json:
+        print(json.dumps({"unit": "bytes of global KV per token", "baseline": "DeepSeek-V4.1-Flash",
+                          "models": models}))
+        return 0
+    rows = [[m["model"], f"{m['total']:,}", f"{m['main']:,}", f"{m['index']:,}",
+             m["ratio_text"], f"{m['gb_per_million_tokens']:.3f}"] for m in models]
+    print("Global KV cache per token (computed from each config's formats and layer plan)")
+    print(_table(rows, ["model", "bytes/token", "main", "indexer", "vs V4.1-Flash", "GB per 1M tokens"]))
+    for m in models:
+        if "without_sharing" not in m:
+            continue
+        e, w = m["entry_bytes"], m["window_ring_layout"]
+        print(f"\n{m['model']} ({m['config']}): entries main {e['main']} B, indexer key {e['index']} B, "
+              f"window row {e['window']} B")
+        print(f"  without cross-layer sharing: {m['without_sharing']:,} bytes/token")
+        print(f"  window rings per sequence: {w['layers']} layers × {w['window']} × {w['row_bytes']} B = "
+              f"{m['window_ring_bytes_per_sequence']:,} B ({m['window_ring_bytes_per_sequence'] / 1e6:.2f} MB)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dsv41", description="DeepSeek-V4.1-Flash in JAX: configs, layer plan, KV accounting.",
+        epilog="example: dsv41 kv-report --json")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="print the per-layer plan of a config",
+                       epilog="example: dsv41 plan --config v41_flash",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p, default="v41_flash")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("kv-report", help="global KV bytes per token of V1, V3.2, V4-Flash, V4.1-Flash",
+                       epilog="example: dsv41 kv-report --config tiny --set kv_cache.global_kv_dtype=fp8_e4m3")
+    _add_config_args(p, default=None, repeat=True)
+    p.set_defaults(func=cmd_kv_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"dsv41: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,135 @@
+"""The layer plan (DESIGN §2.1): one record per layer, computed once from the config.
+
+V4.1 (CSA2): each stage (encoder, decoder) is `[window-only × 2]` (encoder) followed by groups of
+modes at the stage's compression ratio. A `full` layer owns a compressor and indexer keys and
+publishes entries and picks; `reuse` takes the entries of the latest `full` layer (its kv_source)
+and the picks of the latest `full`/`reindex` layer (its index_source); `reindex` rescoring the
+kv_source's keys with its own indexer query, inside the candidate pool when the hierarchical
+indexer is enabled. The pool is built by the kv_source of the Reindex layers (the candidate source).
+
+V4 (compat, DESIGN §4): `window`, `csa` (ratio 4, own indexer) and `hca` (ratio 128, attends every
+visible entry) layers, each its own source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dsv41 import schema
+from dsv41.errors import ConfigError
+
+WINDOW, FULL, REUSE, REINDEX, CSA, HCA = "window", "full", "reuse", "reindex", "csa", "hca"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRecord:
+    """What one layer does.
+
+    index: layer number. stage: "encoder" / "decoder" (V4.1, the CED split) or "stack" (V4).
+    mode: window | full | reuse | reindex (V4.1), window | csa | hca (V4).
+    ratio: tokens per compressed entry (0 = window only).
+    kv_source: layer whose compressed entries this layer attends (None: window only).
+    index_source: layer whose top-k picks this layer uses (None: no selection, all entries or none).
+    candidate_source: for Reindex layers with the hierarchical indexer, the layer that builds the pool.
+    engram: whether an Engram module runs before this layer's attention.
+    """
+
+    index: int
+    stage: str
+    mode: str
+    ratio: int
+    kv_source: int | None
+    index_source: int | None
+    candidate_source: int | None
+    engram: bool
+
+    @property
+    def stores_entries(self) -> bool:
+        """Owns a compressor and stores global KV entries in the cache."""
+        return self.kv_source == self.index and self.ratio > 0
+
+    @property
+    def stores_index_keys(self) -> bool:
+        """Stores indexer keys beside its entries (V4.1 Full and V4 CSA layers)."""
+        return self.stores_entries and self.mode in (FULL, CSA)
+
+    @property
+    def selects(self) -> bool:
+        """Attends a top-k selection of entries (rather than none or all of them)."""
+        return self.index_source is not None
+
+    @property
+    def rope(self) -> str:
+        """Which RoPE table the layer uses: window-only layers the main one, others the compressed (YaRN)."""
+        return "main" if self.ratio == 0 else "compressed"
+
+
+def layer_plan(cfg) -> tuple[LayerRecord, ...]:
+    """The per-layer plan of a model config; raises ConfigError naming the layer if it is inconsistent."""
+    if "kv_layout" in cfg:
+        raise ConfigError("kv_layout", cfg.model, "a reference KV layout has no layer plan; expected a model config")
+    family = cfg.architecture.family
+    records = _plan_v41(cfg) if family == schema.V41 else _plan_v4(cfg)
+    engram_layers = list(cfg.architecture.engram.layers)
+    for i in engram_layers:
+        if not 0 <= i < len(records):
+            raise ConfigError("architecture.engram.layers", engram_layers,
+                              f"layer {i} does not exist; expected indices in 0..{len(records) - 1}")
+    return tuple(dataclasses.replace(r, engram=r.index in engram_layers) for r in records)
+
+
+def num_layers(cfg) -> int:
+    if cfg.architecture.family == schema.V41:
+        return cfg.csa2.encoder.layers + cfg.csa2.decoder.layers
+    return len(cfg.v4.layer_types)
+
+
+def _plan_v41(cfg) -> list[LayerRecord]:
+    records: list[LayerRecord] = []
+    for stage in ("encoder", "decoder"):
+        s = cfg.csa2[stage]
+        if s.first_two_layers == "swa_only":
+            for _ in range(2):
+                records.append(LayerRecord(len(records), stage, WINDOW, 0, None, None, None, False))
+        kv_source = index_source = None  # sources never cross a stage: ratios differ
+        for g, group in enumerate(s.groups):
+            for j, mode in enumerate(group["modes"]):
+                i = len(records)
+                if mode != FULL and kv_source is None:
+                    raise ConfigError(
+                        f"csa2.{stage}.groups.{g}.modes", list(group["modes"]),
+                        f"layer {i} is '{mode}' before any 'full' layer of the {stage}; "
+                        "expected a 'full' layer first (it owns the compressor the others read)")
+                if mode == FULL:
+                    kv_source = index_source = i
+                elif mode == REINDEX:
+                    index_source = i
+                records.append(LayerRecord(i, stage, mode, s.compression_ratio, kv_source, index_source, None, False))
+
+    reindex = [r for r in records if r.mode == REINDEX]
+    sources = sorted({r.kv_source for r in reindex})
+    if len(sources) > 1:
+        raise ConfigError("csa2", [r.index for r in reindex],
+                          f"Reindex layers read the keys of different Full layers {sources}; "
+                          "expected one candidate source (the Full layer that builds the pool)")
+    if reindex and cfg.csa2.indexer.hierarchical.enabled:
+        pool = sources[0]
+        records = [dataclasses.replace(r, candidate_source=pool) if r.mode == REINDEX else r for r in records]
+    return records
+
+
+def _plan_v4(cfg) -> list[LayerRecord]:
+    ratios = {WINDOW: 0, CSA: cfg.v4.csa_ratio, HCA: cfg.v4.hca_ratio}
+    records = []
+    for i, t in enumerate(cfg.v4.layer_types):
+        own = None if t == WINDOW else i
+        records.append(LayerRecord(i, "stack", t, ratios[t], own, i if t == CSA else None, None, False))
+    return records
+
+
+def counts(plan) -> dict[str, int]:
+    """Number of layers per mode."""
+    out: dict[str, int] = {}
+    for r in plan:
+        out[r.mode] = out.get(r.mode, 0) + 1
+    return out

@@ -1,0 +1,63 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONSOLE_SCRIPT = Path(sys.executable).parent / "dsv41"
+
+
+def run(*args, script=False):
+    cmd = [str(CONSOLE_SCRIPT)] if script else [sys.executable, "-m", "dsv41"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=120)
+
+
+def test_kv_report_json_through_the_console_script():
+    assert CONSOLE_SCRIPT.exists(), "the package installs a `dsv41` console script"
+    out = run("kv-report", "--json", script=True)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    models = {m["model"]: m for m in report["models"]}
+    assert [m["total"] for m in report["models"]] == [389_120, 48_068, 3_514.25, 890]
+    assert list(models) == ["DeepSeek-V1-67B", "DeepSeek-V3.2", "DeepSeek-V4-Flash", "DeepSeek-V4.1-Flash"]
+    assert round(models["DeepSeek-V1-67B"]["ratio_to_v41_flash"]) == 437
+    assert models["DeepSeek-V1-67B"]["ratio_text"] == "437×"
+    assert models["DeepSeek-V4-Flash"]["ratio_text"] == "3.95×"
+    v41 = models["DeepSeek-V4.1-Flash"]
+    assert (v41["main"], v41["index"], v41["without_sharing"]) == (720, 170, 10_324)
+    assert v41["window_ring_bytes_per_sequence"] == 2_703_360
+
+
+def test_kv_report_table_and_extra_config():
+    out = run("kv-report", "--config", "tiny", "--set", "kv_cache.swa_window_size=32")
+    assert out.returncode == 0, out.stderr
+    assert "DeepSeek-V4.1-Flash  890 " in out.stdout and "437×" in out.stdout
+    assert "without cross-layer sharing: 10,324 bytes/token" in out.stdout
+    assert "40 layers × 128 × 528 B = 2,703,360 B" in out.stdout
+    assert "12 layers × 32 × 66 B" in out.stdout  # tiny: 64 FP8 bytes + 2 UE8M0 scales, window 32
+
+
+def test_plan_table_and_json():
+    out = run("plan", "--config", "v41_flash")
+    assert out.returncode == 0, out.stderr
+    assert "counts: window 2, full 4, reuse 30, reindex 4" in out.stdout
+    out = run("plan", "--config", "tiny", "--json")
+    layers = json.loads(out.stdout)["layers"]
+    assert [l["mode"] for l in layers] == ["window", "window", "full", "reuse", "full", "reuse",
+                                           "full", "reuse", "reindex", "reuse", "reindex", "reuse"]
+    assert layers[8]["candidate_source"] == 6
+
+
+def test_bad_input_exits_2_with_the_field():
+    out = run("plan", "--config", "v41_flash", "--set", "kv_cache.swa_window_size=-1")
+    assert out.returncode == 2
+    assert "kv_cache.swa_window_size" in out.stderr and "-1" in out.stderr
+    out = run("plan", "--config", "nonexistent")
+    assert out.returncode == 2 and "nonexistent" in out.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "kv-report"])
+def test_help_has_an_example(command):
+    out = run(command, "--help")
+    assert out.returncode == 0 and "example: dsv41" in out.stdout

@@ -1,0 +1,13 @@
+import importlib
+
+import dsv41
+
+
+def test_kernels_are_installed_as_dsv41_kernels():
+    mod = importlib.import_module("dsv41.kernels")
+    assert mod.__name__ == "dsv41.kernels" and mod.__file__.endswith("kernels/__init__.py")
+
+
+def test_public_api():
+    for name in ("load_config", "layer_plan", "kv_bytes_per_token", "ConfigError"):
+        assert hasattr(dsv41, name)
