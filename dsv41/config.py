@@ -259,6 +259,21 @@ def _get(cfg, path: str):
     return node
 
 
+def _check_record(path: str, record, fields: dict, required: tuple) -> None:
+    """Checks a table inside a list (a csa2 group, a layout part): known fields, required ones, types."""
+    if not isinstance(record, Mapping):
+        raise ConfigError(path, record, f"expected a table with fields {list(fields)}")
+    for key in record:
+        if key not in fields:
+            raise ConfigError(f"{path}.{key}", record[key], f"unknown field; expected one of {list(fields)}")
+    for key in required:
+        if key not in record:
+            raise ConfigError(f"{path}.{key}", None, f"missing; expected the fields {list(required)}")
+    for key, t in fields.items():
+        if key in record:
+            _check_type(f"{path}.{key}", record[key], t)
+
+
 def _divisible(path: str, width: int, block: int, what: str):
     if width % block:
         raise ConfigError(path, width, f"expected a multiple of {block} ({what})")
@@ -363,18 +378,7 @@ def _validate_csa2(cfg) -> None:
         total = 2 if s.first_two_layers == "swa_only" else 0
         for g, group in enumerate(s.groups):
             gpath = f"{base}.groups.{g}"
-            if not isinstance(group, Mapping):
-                raise ConfigError(gpath, group, f"expected a table with fields {list(schema.GROUP_FIELDS)}")
-            for key in group:
-                if key not in schema.GROUP_FIELDS:
-                    raise ConfigError(f"{gpath}.{key}", group[key],
-                                      f"unknown field; expected one of {list(schema.GROUP_FIELDS)}")
-            for key in schema.GROUP_REQUIRED:
-                if key not in group:
-                    raise ConfigError(f"{gpath}.{key}", None, "missing; every group needs size and modes")
-            for key, t in schema.GROUP_FIELDS.items():
-                if key in group:
-                    _check_type(f"{gpath}.{key}", group[key], t)
+            _check_record(gpath, group, schema.GROUP_FIELDS, schema.GROUP_REQUIRED)
             if group["size"] <= 0:
                 raise ConfigError(f"{gpath}.size", group["size"], "expected a positive group size")
             if len(group["modes"]) != group["size"]:
@@ -435,16 +439,7 @@ def _validate_layout(cfg) -> None:
         raise ConfigError("kv_layout.parts", [], "expected at least one stored part")
     for i, part in enumerate(cfg.kv_layout.parts):
         path = f"kv_layout.parts.{i}"
-        for key in part:
-            if key not in schema.LAYOUT_PART_FIELDS:
-                raise ConfigError(f"{path}.{key}", part[key],
-                                  f"unknown field; expected one of {list(schema.LAYOUT_PART_FIELDS)}")
-        for key in schema.LAYOUT_PART_REQUIRED:
-            if key not in part:
-                raise ConfigError(f"{path}.{key}", None, f"missing; a part needs {list(schema.LAYOUT_PART_REQUIRED)}")
-        for key, t in schema.LAYOUT_PART_FIELDS.items():
-            if key in part:
-                _check_type(f"{path}.{key}", part[key], t)
+        _check_record(path, part, schema.LAYOUT_PART_FIELDS, schema.LAYOUT_PART_REQUIRED)
         if part.get("role", "main") not in ("main", "index"):
             raise ConfigError(f"{path}.role", part["role"], "expected 'main' or 'index'")
         formats.make_part(path, part["dims"], part["dtype"], part.get("scale", "none"), part.get("count", 1))

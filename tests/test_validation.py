@@ -166,3 +166,15 @@ def test_layout_parts(write_config):
     raw = json.loads((ROOT / "configs" / "deepseek_v32.json").read_text())
     raw["kv_layout"]["parts"][0]["scale"] = "fp32_per_100_channel"
     _assert_names(_load_error(write_config, raw), "kv_layout.parts.0.dims", "512", "multiple of", "100")
+
+
+def test_group_records(v41_raw, write_config):
+    raw = copy.deepcopy(v41_raw)
+    raw["csa2"]["encoder"]["groups"][0]["repeat"] = 3
+    _assert_names(_load_error(write_config, raw), "csa2.encoder.groups.0.repeat", "3", "unknown field")
+    raw = copy.deepcopy(v41_raw)
+    del raw["csa2"]["encoder"]["groups"][0]["modes"]
+    _assert_names(_load_error(write_config, raw), "csa2.encoder.groups.0.modes", "None", "missing")
+    raw = copy.deepcopy(v41_raw)
+    raw["csa2"]["encoder"]["groups"][0]["size"] = "6"
+    _assert_names(_load_error(write_config, raw), "csa2.encoder.groups.0.size", "'6'", "expected int")
