@@ -88,6 +88,24 @@ def cmd_kv_report(args) -> int:
     return 0
 
 
+def cmd_params(args) -> int:
+    from dsv41 import params
+
+    counts = params.count_params(load_config(args.config, args.set))
+    if args.json:
+        print(json.dumps(counts))
+        return 0
+    total = counts["total"]
+    rows = [[name, f"{n:,}", f"{n / 1e9:.3f}", f"{100 * n / total:.2f}%"] for name, n in counts["components"].items()]
+    print(f"{counts['model']}: parameters by component (shapes only, jax.eval_shape)")
+    print(_table(rows, ["component", "parameters", "billions", "share"]))
+    print(f"total {total / 1e9:.2f}B = backbone {counts['backbone'] / 1e9:.2f}B + Engram tables "
+          f"{counts['engram_tables'] / 1e9:.2f}B; active per generated token {counts['active_per_token'] / 1e9:.2f}B")
+    for key, value in counts["published"].items():
+        print(f"published {key}: {value / 1e9:.0f}B; ours {counts[key] / 1e9:.2f}B")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dsv41", description="DeepSeek-V4.1-Flash in JAX: configs, layer plan, KV accounting.",
@@ -99,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(p, default="v41_flash")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("params", help="parameter counts by component (no memory needed at full size)",
+                       epilog="example: dsv41 params --config v41_flash")
+    _add_config_args(p, default="v41_flash")
+    p.set_defaults(func=cmd_params)
 
     p = sub.add_parser("kv-report", help="global KV bytes per token of V1, V3.2, V4-Flash, V4.1-Flash",
                        epilog="example: dsv41 kv-report --config tiny --set kv_cache.global_kv_dtype=fp8_e4m3")

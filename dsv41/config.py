@@ -323,6 +323,9 @@ def _validate_common(cfg) -> None:
     _one_of(cfg, "architecture.moe.score_func", ("sqrtsoftplus",))
     _positive(cfg, "architecture.mhc.streams", "architecture.mhc.sinkhorn_iters", "architecture.mhc.eps")
     _one_of(cfg, "architecture.mhc.variant", ("single_pass", "classic"))
+    _one_of(cfg, "quant", ("qat", "none"))
+    _one_of(cfg, "runtime.param_dtype", ("float32", "bfloat16"))
+    _one_of(cfg, "runtime.compute_dtype", ("float32", "bfloat16"))
     e = a.engram
     _positive(cfg, "architecture.engram.heads_per_ngram", "architecture.engram.row_dim",
               "architecture.engram.compressed_vocab_size", "architecture.engram.prime_floor")
@@ -429,6 +432,13 @@ def _validate_v4(cfg) -> None:
     if cfg.architecture.moe.hash_layers > len(v4.layer_types):
         raise ConfigError("architecture.moe.hash_layers", cfg.architecture.moe.hash_layers,
                           f"expected at most the number of layers ({len(v4.layer_types)})")
+    if cfg.quant != "none":
+        raise ConfigError("quant", cfg.quant, "expected 'none' for the V4 family: V4's fake-quant formats are not "
+                          "implemented (the released transformers V4 runs without them)")
+    if v4.indexer.head_dim < cfg.architecture.rope_head_dim:
+        raise ConfigError("v4.indexer.head_dim", v4.indexer.head_dim,
+                          f"expected at least architecture.rope_head_dim ({cfg.architecture.rope_head_dim}): "
+                          "the indexer rotates its last rope_head_dim channels")
 
 
 def _validate_layout(cfg) -> None:

@@ -85,6 +85,11 @@ _V41 = {
         "decoder_replay_tokens": 128,
         "enable_prefix_cache_global_only": True,
     },
+    # Fake quantisation of the stored formats (DESIGN §3.8): "qat" is the model; "none" only for
+    # comparisons and for parity with references that skip it.
+    "quant": "qat",
+    # The dtype policy (dsv41.nn.policy).
+    "runtime": {"param_dtype": "float32", "compute_dtype": "float32"},
     # Model dimensions (DESIGN §2): the block the user schema does not have.
     "architecture": {
         "family": V41,
@@ -142,6 +147,9 @@ _V4 = copy.deepcopy(
 _V4.update(
     model="DeepSeek-V4-Flash",
     context_window=1_048_576,
+    # V4's own fake-quant formats (FP8/64 main KV with BF16 RoPE dims, Hadamard + FP4 indexer) are not
+    # implemented; the released transformers V4, the compat reference, runs without them.
+    quant="none",
     # V4 compat (DESIGN §4): per-layer types as in transformers' DeepseekV4Config.layer_types.
     v4={
         "layer_types": ["window"] * 2 + ["csa", "hca"] * 20 + ["csa"],

@@ -1,0 +1,112 @@
+"""The public model API (DESIGN §11): `init_params` and the full-sequence `forward`.
+
+Flax NNX inside, pure functions outside: the parameters are an `nnx.State` pytree; the module
+structure (graphdef) is rebuilt from the config and merged with the parameters inside the jitted
+function.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41 import config as config_lib
+from dsv41 import engram_hash
+from dsv41.errors import ConfigError
+from dsv41.nn import policy as policy_lib
+from dsv41.nn.model import Transformer
+
+
+def config_key(cfg) -> str:
+    """A hashable, order-independent identity of a config (the static argument of jitted steps)."""
+    return json.dumps(cfg.to_dict(), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=32)
+def _config(key: str):
+    return config_lib.build(json.loads(key))
+
+
+def build_model(cfg, rngs: nnx.Rngs) -> Transformer:
+    """The NNX module tree of a config with freshly initialised parameters."""
+    rows = {}
+    if list(cfg.architecture.engram.layers):
+        layout = engram_hash.EngramLayout.from_config(cfg)
+        rows = dict(zip(layout.layer_ids, layout.rows_per_layer))
+    return Transformer(cfg, rows, policy=policy_lib.from_config(cfg), rngs=rngs)
+
+
+@functools.lru_cache(maxsize=32)
+def _graphdef(key: str):
+    cfg = _config(key)
+    return nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0))))
+
+
+def init_params(cfg, key: jax.Array) -> nnx.State:
+    """Freshly initialised parameters of a config (normal(0.02) weights, unit norms, zero sinks/biases)."""
+    return nnx.state(build_model(cfg, nnx.Rngs(params=key)))
+
+
+def abstract_params(cfg) -> nnx.State:
+    """Shapes and dtypes of the parameters without allocating them (jax.eval_shape)."""
+    return nnx.state(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0))))
+
+
+def engram_ids(cfg, tokens, token_map=None) -> np.ndarray | None:
+    """Host-side Engram hash ids [B, S, L_engram, C] (int64 NumPy) for tokens starting at position 0.
+
+    token_map: raw id -> compressed id (`engram_hash.compressed_token_map(tokenizer)`); without one
+    every token is its own class, which needs compressed_vocab_size == vocab_size.
+    """
+    e, a = cfg.architecture.engram, cfg.architecture
+    if not list(e.layers):
+        return None
+    if token_map is None:
+        if e.compressed_vocab_size != a.vocab_size:
+            raise ConfigError("architecture.engram.compressed_vocab_size", e.compressed_vocab_size,
+                              f"expected a token map (raw id -> compressed id) or vocab_size ({a.vocab_size}) "
+                              "when no tokenizer defines the compressed vocabulary")
+        token_map, _ = engram_hash.identity_token_map(a.vocab_size)
+    layout = engram_hash.EngramLayout.from_config(cfg)
+    return engram_hash.hash_ids(layout, token_map, e.pad_id, np.asarray(tokens))
+
+
+def forward(params: nnx.State, cfg, tokens, *, engram_ids_BSLC=None, token_map=None) -> jax.Array:
+    """Teacher-forced logits [B, S, V] (fp32) of whole sequences `tokens` [B, S] starting at position 0."""
+    tokens, positions, ids = _inputs(cfg, tokens, engram_ids_BSLC, token_map)
+    return _forward(config_key(cfg), params, tokens, positions, ids)
+
+
+def _inputs(cfg, tokens, engram_ids_BSLC, token_map):
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens: shape {tokens.shape}: expected [batch, seq]")
+    vocab = cfg.architecture.vocab_size
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise ValueError(f"tokens: ids in [{int(tokens.min())}, {int(tokens.max())}]: expected 0..{vocab - 1}")
+    if engram_ids_BSLC is None:
+        engram_ids_BSLC = engram_ids(cfg, np.asarray(tokens), token_map)
+    if engram_ids_BSLC is not None:
+        engram_ids_BSLC = jnp.asarray(engram_ids_BSLC, jnp.int32)  # rows < 2^31 (DESIGN §3.7: ~384M)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return tokens, positions, engram_ids_BSLC
+
+
+def forward_with_intermediates(params: nnx.State, cfg, tokens, *, engram_ids_BSLC=None, token_map=None):
+    """(logits, intermediates): as `forward`, plus what the layers record for inspection — per layer
+    the collapsed attention input, the indexer picks, the candidate-pool blocks and the routed experts
+    (an `nnx.State` of `nnx.Intermediate` values keyed like the parameters)."""
+    tokens, positions, ids = _inputs(cfg, tokens, engram_ids_BSLC, token_map)
+    return _forward(config_key(cfg), params, tokens, positions, ids, True)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _forward(key, params, tokens_BS, positions_BS, engram_ids_BSLC, intermediates=False):
+    model = nnx.merge(_graphdef(key), params)
+    logits, recorded = nnx.capture(model, nnx.Intermediate)(tokens_BS, positions_BS, engram_ids_BSLC)
+    return (logits, recorded) if intermediates else logits

@@ -1,0 +1,183 @@
+"""The attention layer of every V4.1 layer (DESIGN §3.2), full-sequence form.
+
+qr = q_norm(wq_a x); q = rope(wq_b qr) [B,S,H,K]; kv = fp8(rope(kv_norm(wkv x))) [B,S,K], the single
+shared latent used as key and value. One softmax with a per-head sink (denominator only) runs over
+the window keys (t-window+1 … t) and the entries selected for the query; the output's RoPE dims are
+rotated back at the query position, then projected by the grouped wo_a (block-diagonal over
+o_groups) and wo_b. Full layers own a compressor (and indexer keys); Full and Reindex layers own an
+indexer query; Reuse layers read what their sources published. V4 (compat): `AttentionV4` below, with
+the per-head query RMSNorm V4 had (`architecture.q_head_norm`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41 import quant
+from dsv41.nn import indexer as ix
+from dsv41.nn.compressor import Compressor, CompressorV4
+from dsv41.nn.linear import Dense, param
+from dsv41.nn.norm import RMSNorm, rms_normalize
+from dsv41.nn.policy import Policy
+from dsv41.nn.rope import apply_rope
+from dsv41.plan import CSA, FULL, REINDEX, LayerRecord
+
+NEG_INF = -jnp.inf
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg, record: LayerRecord, inv_freq: dict, builds_pool: bool, *, policy: Policy,
+                 rngs: nnx.Rngs):
+        a = cfg.architecture
+        d, h, k = a.hidden_size, a.num_heads, a.head_dim
+        self.record = record
+        self.heads, self.head_dim, self.groups = h, k, a.o_groups
+        self.window = cfg.kv_cache.swa_window_size
+        self.fake_quant = cfg.quant == "qat"
+        # V4's per-head query RMSNorm (unweighted); V4.1 dropped it (DESIGN §2).
+        self.q_head_eps = a.norm_eps if a.q_head_norm else None
+        # Static tables (tuples, not arrays: they are part of the module's structure, not its state).
+        self.inv_freq = tuple(float(f) for f in inv_freq[record.rope])
+        self.compressed_inv_freq = tuple(float(f) for f in inv_freq["compressed"])
+
+        self.wq_a = Dense(d, a.q_lora_rank, ("embed", "q_lora"), policy=policy, rngs=rngs)
+        self.q_norm = RMSNorm(a.q_lora_rank, a.norm_eps, "q_lora")
+        self.wq_b = Dense(a.q_lora_rank, h * k, ("q_lora", "q_heads"), policy=policy, rngs=rngs)
+        self.wkv = Dense(d, k, ("embed", "kv"), policy=policy, rngs=rngs)
+        self.kv_norm = RMSNorm(k, a.norm_eps, "kv")
+        self.wo_a = param(rngs, (a.o_groups, h * k // a.o_groups, a.o_lora_rank), ("o_groups", "o_in", "o_lora"),
+                          policy.param_dtype)
+        self.wo_b = Dense(a.o_groups * a.o_lora_rank, d, ("o_proj", "embed"), policy=policy, rngs=rngs)
+        self.attn_sink = nnx.Param(jnp.zeros((h,), jnp.float32), out_sharding=("heads",), eager_sharding=False)
+        self.policy = policy
+        self._build_compressed_branch(cfg, builds_pool, policy, rngs)
+
+    def _build_compressed_branch(self, cfg, builds_pool: bool, policy: Policy, rngs: nnx.Rngs):
+        """V4.1 (CSA2): Full layers own a compressor and indexer keys, Full/Reindex an indexer query."""
+        a, record = cfg.architecture, self.record
+        d, k = a.hidden_size, a.head_dim
+        ixc = cfg.csa2.indexer
+        self.top_k = ixc.top_k
+        self.builds_pool = builds_pool
+        self.pool_max_blocks, self.pool_block_size = ixc.hierarchical.max_blocks, ixc.hierarchical.positions_per_block
+        self.compressor = (Compressor(d, k, record.ratio, a.norm_eps, policy=policy, rngs=rngs)
+                           if record.stores_entries else None)
+        self.indexer = (ix.Indexer(d, a.q_lora_rank, k, ixc.query_heads, ixc.head_dim, record.mode == FULL,
+                                   a.norm_eps, policy=policy, rngs=rngs)
+                        if record.mode in (FULL, REINDEX) else None)
+
+    def __call__(self, x_BSD, positions_BS, published: dict):
+        """Attention output [B, S, D]; a Full/Reindex layer adds what it publishes to `published`."""
+        b, s, _ = x_BSD.shape
+        rec = self.record
+        inv_freq = np.asarray(self.inv_freq, np.float32)
+        qr = self.q_norm(self.wq_a(x_BSD))
+        q = self.wq_b(qr).reshape(b, s, self.heads, self.head_dim)
+        if self.q_head_eps is not None:
+            q = rms_normalize(q, self.q_head_eps).astype(q.dtype)
+        q = apply_rope(q, positions_BS, inv_freq)
+        kv = apply_rope(self.kv_norm(self.wkv(x_BSD)), positions_BS, inv_freq)
+        if self.fake_quant:
+            kv = quant.fake_quant(kv, quant.FP8_UE8M0_32)
+
+        keys, mask = kv, window_mask(positions_BS, positions_BS, self.window)
+        if rec.ratio:
+            self._publish(x_BSD, qr, positions_BS, published)
+            entries = published[rec.kv_source]["entries"]
+            keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
+            chosen = (published[rec.index_source]["selected"] if rec.selects  # top-k (CSA, CSA2)
+                      else ix.visible_entries(positions_BS, rec.ratio, entries.shape[1]))  # all (HCA)
+            mask = jnp.concatenate([mask, chosen], axis=-1)
+
+        out = attend(q, keys, mask, self.attn_sink[...], self.head_dim ** -0.5)
+        out = apply_rope(out, positions_BS, inv_freq, inverse=True)
+        grouped = out.reshape(b, s, self.groups, -1)
+        y = jnp.einsum("bsgi,gio->bsgo", grouped.astype(self.policy.compute_dtype),
+                       self.wo_a[...].astype(self.policy.compute_dtype), precision=self.policy.precision)
+        return self.wo_b(y.reshape(b, s, -1))
+
+    def _publish(self, x_BSD, qr_BSQ, positions_BS, published: dict):
+        rec = self.record
+        cinv = np.asarray(self.compressed_inv_freq, np.float32)
+        if rec.stores_entries:
+            latent = self.compressor(x_BSD)  # [B, T, K] before RoPE
+            entry_pos = ix.entry_positions(latent, rec.ratio)
+            entries = apply_rope(latent, entry_pos, cinv)
+            if self.fake_quant:
+                entries = quant.fake_quant(entries, quant.FP4_E4M3_16)
+            published[rec.index] = {"entries": entries}
+            if self.indexer is not None and self.indexer.wk is not None:
+                published[rec.index]["index_keys"] = self.indexer.keys(latent, entry_pos, cinv, self.fake_quant)
+        if self.indexer is None:
+            return
+        source = published[rec.kv_source]
+        num_entries = source["entries"].shape[1]
+        visible = ix.visible_entries(positions_BS, rec.ratio, num_entries)
+        scores = self.indexer.scores(x_BSD, qr_BSQ, positions_BS, source["index_keys"], visible, cinv,
+                                     self.fake_quant)
+        mine = published.setdefault(rec.index, {})
+        if self.builds_pool:
+            blocks = ix.candidate_blocks(scores, (positions_BS + 1) // rec.ratio, self.pool_max_blocks,
+                                         self.pool_block_size)
+            self.sow(nnx.Intermediate, "pool_blocks", blocks)
+            mine["pool"] = ix.blocks_to_entries(blocks, self.pool_block_size, num_entries)
+        if rec.candidate_source is not None:
+            scores = jnp.where(published[rec.candidate_source]["pool"], scores, NEG_INF)
+        mine["picks"] = ix.top_k_indices(scores, self.top_k)
+        self.sow(nnx.Intermediate, "picks", mine["picks"])
+        mine["selected"] = ix.indices_to_mask(mine["picks"], num_entries)
+
+
+class AttentionV4(Attention):
+    """The V4 (compat, DESIGN §4) attention layer: every compressed layer is its own source.
+
+    CSA layers compress with overlap at ratio 4 and attend the top-k entries their own indexer picks;
+    HCA layers compress at ratio 128 and attend every visible entry. The window branch, sink, query
+    head norm and output path are the shared ones.
+    """
+
+    def _build_compressed_branch(self, cfg, builds_pool: bool, policy: Policy, rngs: nnx.Rngs):
+        a, record, ixc = cfg.architecture, self.record, cfg.v4.indexer
+        self.top_k = ixc.top_k
+        self.compressor = (CompressorV4(a.hidden_size, a.head_dim, record.ratio, record.mode == CSA, a.norm_eps,
+                                        policy=policy, rngs=rngs)
+                           if record.stores_entries else None)
+        self.indexer = (ix.IndexerV4(a.hidden_size, a.q_lora_rank, ixc.query_heads, ixc.head_dim, record.ratio,
+                                     a.norm_eps, policy=policy, rngs=rngs)
+                        if record.mode == CSA else None)
+
+    def _publish(self, x_BSD, qr_BSQ, positions_BS, published: dict):
+        rec = self.record
+        cinv = np.asarray(self.compressed_inv_freq, np.float32)
+        latent = self.compressor(x_BSD)  # [B, T, K] before RoPE
+        mine = published[rec.index] = {"entries": apply_rope(latent, ix.entry_positions(latent, rec.ratio), cinv)}
+        if self.indexer is None:
+            return
+        mine["index_keys"] = self.indexer.keys(x_BSD, cinv)
+        visible = ix.visible_entries(positions_BS, rec.ratio, latent.shape[1])
+        scores = self.indexer.scores(x_BSD, qr_BSQ, positions_BS, mine["index_keys"], visible, cinv)
+        mine["picks"] = ix.top_k_indices(scores, self.top_k)
+        self.sow(nnx.Intermediate, "picks", mine["picks"])
+        mine["selected"] = ix.indices_to_mask(mine["picks"], latent.shape[1])
+
+
+def window_mask(q_pos_BS, k_pos_BT, window: int):
+    """[B, S, T] bool: key position in (q - window, q]."""
+    delta = q_pos_BS[..., :, None] - k_pos_BT[..., None, :]
+    return (delta >= 0) & (delta < window)
+
+
+def attend(q_BSHK, keys_BTK, mask_BST, sink_H, scale: float):
+    """One softmax with a per-head sink over the masked keys; a row with nothing valid gives 0."""
+    logits = jnp.einsum("bshk,btk->bhst", q_BSHK, keys_BTK, preferred_element_type=jnp.float32,
+                        precision=jax.lax.Precision.HIGHEST) * scale
+    logits = jnp.where(mask_BST[:, None], logits, NEG_INF)
+    sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[None, :, None, None], (*logits.shape[:-1], 1))
+    combined = jnp.concatenate([logits, sink], axis=-1)
+    combined = combined - jnp.max(combined, axis=-1, keepdims=True)
+    probs = jax.nn.softmax(combined, axis=-1)[..., :-1]
+    return jnp.einsum("bhst,btk->bshk", probs.astype(keys_BTK.dtype), keys_BTK,
+                      precision=jax.lax.Precision.HIGHEST)

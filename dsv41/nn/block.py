@@ -1,0 +1,50 @@
+"""One layer: [Engram] → attention site → FFN site, each wrapped in mHC (DESIGN §3.1)."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from dsv41 import schema
+from dsv41.nn import mhc
+from dsv41.nn.attention import Attention, AttentionV4
+from dsv41.nn.engram import Engram
+from dsv41.nn.moe import MoE
+from dsv41.nn.norm import RMSNorm
+from dsv41.nn.policy import Policy
+from dsv41.plan import LayerRecord
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg, record: LayerRecord, inv_freq: dict, builds_pool: bool, engram_rows: int | None, *,
+                 policy: Policy, rngs: nnx.Rngs):
+        a = cfg.architecture
+        d, n = a.hidden_size, a.mhc.streams
+        hc = dict(sinkhorn_iters=a.mhc.sinkhorn_iters, eps=a.mhc.eps, norm_eps=a.norm_eps, rngs=rngs)
+        e = a.engram
+        self.engram = (Engram(d, n, engram_rows, e.row_dim, (e.max_ngram - 1) * e.heads_per_ngram, a.norm_eps,
+                              policy=policy, rngs=rngs) if record.engram else None)
+        self.classic = a.mhc.variant == "classic"
+        self.hc_attn = mhc.HyperConnection(n, d, **hc)
+        self.attn_norm = RMSNorm(d, a.norm_eps, "embed")
+        attention = AttentionV4 if a.family == schema.V4 else Attention
+        self.attn = attention(cfg, record, inv_freq, builds_pool, policy=policy, rngs=rngs)
+        self.hc_ffn = mhc.HyperConnection(n, d, **hc)
+        self.ffn_norm = RMSNorm(d, a.norm_eps, "embed")
+        m = a.moe
+        hashed = record.index < m.hash_layers  # V4: the first layers route by a fixed token table
+        self.ffn = MoE(d, m.num_experts, m.top_k, m.intermediate_size, m.num_shared_experts, m.route_scale,
+                       m.swiglu_limit, a.vocab_size if hashed else 0, policy=policy, rngs=rngs)
+
+    def __call__(self, x_BSND, pre_BSN, positions_BS, published: dict, engram_ids_BSC=None, tokens_BS=None):
+        """Single-pass mHC: each site collapses with the previous site's `pre` and hands its own on.
+        Classic mHC (V4): each site collapses with its own `pre` (pre_BSN is not read)."""
+        if self.engram is not None:
+            x_BSND = self.engram(x_BSND, engram_ids_BSC)
+        attn_pre, post, comb = self.hc_attn.mixes(x_BSND)
+        h = mhc.collapse(x_BSND, attn_pre if self.classic else pre_BSN)
+        self.sow(nnx.Intermediate, "attn_input", h)
+        y = self.attn(self.attn_norm(h), positions_BS, published)
+        x_BSND = mhc.expand(y, x_BSND, post, comb)
+        ffn_pre, post, comb = self.hc_ffn.mixes(x_BSND)
+        y = self.ffn(self.ffn_norm(mhc.collapse(x_BSND, ffn_pre if self.classic else attn_pre)), tokens_BS)
+        return mhc.expand(y, x_BSND, post, comb), ffn_pre

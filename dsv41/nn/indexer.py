@@ -1,0 +1,137 @@
+"""The lightning indexer and the hierarchical candidate pool (DESIGN §3.4).
+
+Keys (Full layers): kI = fp4(rope(k_norm(wk latent))) from the pre-RoPE compressed latent.
+Queries (Full and Reindex layers): qI = fp4(rope(wq_b qr)) [B,S,J,dI]; weights w = weights_proj(x)·J^-½.
+Score I[t, i] = Σ_j w[t, j] · relu(qI[t, j] · kI[i]) · dI^-½, −inf where entry i is not visible to t.
+The candidate source keeps the best `max_blocks` blocks of `positions_per_block` entries (block score =
+max over the block; the block of the newest visible entry is always kept); Reindex layers choose their
+top-k inside that pool only.
+V4 (compat, DESIGN §3.4): `IndexerV4`, 64 heads, keys from its own overlapped ratio-4 compressor;
+its top-k is unsorted in the reference, which does not change the attended set.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41 import quant
+from dsv41.nn.compressor import CompressorV4
+from dsv41.nn.linear import Dense
+from dsv41.nn.norm import RMSNorm
+from dsv41.nn.policy import Policy
+from dsv41.nn.rope import apply_rope
+
+NEG_INF = -jnp.inf
+
+
+class Indexer(nnx.Module):
+    def __init__(self, dim: int, q_lora: int, latent: int, heads: int, head_dim: int, owns_keys: bool,
+                 eps: float, *, policy: Policy, rngs: nnx.Rngs):
+        self.heads, self.head_dim = heads, head_dim
+        self.wq_b = Dense(q_lora, heads * head_dim, ("q_lora", "index_heads"), policy=policy, rngs=rngs)
+        self.weights_proj = Dense(dim, heads, ("embed", "index_heads"), policy=policy, rngs=rngs)
+        if owns_keys:
+            self.wk = Dense(latent, head_dim, ("kv", "index_dim"), policy=policy, rngs=rngs)
+            self.k_norm = RMSNorm(head_dim, eps, "index_dim")
+        else:
+            self.wk = self.k_norm = None
+
+    def keys(self, latent_BTK, positions_BT, inv_freq, fake_quant: bool):
+        """Indexer keys [B, T, dI] of compressed latents at their RoPE positions."""
+        k = apply_rope(self.k_norm(self.wk(latent_BTK)), positions_BT, inv_freq)
+        return quant.fake_quant(k, quant.MXFP4) if fake_quant else k
+
+    def scores(self, x_BSD, qr_BSQ, positions_BS, keys_BTd, visible_BST, inv_freq, fake_quant: bool):
+        """Index scores I [B, S, T] in fp32, −inf where not visible."""
+        b, s, _ = x_BSD.shape
+        q = self.wq_b(qr_BSQ).reshape(b, s, self.heads, self.head_dim)
+        q = apply_rope(q, positions_BS, inv_freq)
+        if fake_quant:
+            q = quant.fake_quant(q, quant.MXFP4)
+        return lightning_scores(q, keys_BTd, self.weights_proj(x_BSD), visible_BST)
+
+
+class IndexerV4(nnx.Module):
+    """The V4 (compat) indexer: its keys come from its own overlapped compressor over the layer input.
+
+    kI = rope(CompressorV4(x)) at index_head_dim, rotated at the entries' positions; the query and the
+    score are the V4.1 indexer's. The released transformers V4 runs it without fake quantisation (so
+    without the Hadamard rotation that only conditions FP4 rounding).
+    """
+
+    def __init__(self, dim: int, q_lora: int, heads: int, head_dim: int, ratio: int, eps: float, *,
+                 policy: Policy, rngs: nnx.Rngs):
+        self.heads, self.head_dim, self.ratio = heads, head_dim, ratio
+        self.compressor = CompressorV4(dim, head_dim, ratio, True, eps, policy=policy, rngs=rngs)
+        self.wq_b = Dense(q_lora, heads * head_dim, ("q_lora", "index_heads"), policy=policy, rngs=rngs)
+        self.weights_proj = Dense(dim, heads, ("embed", "index_heads"), policy=policy, rngs=rngs)
+
+    def keys(self, x_BSD, inv_freq):
+        """Indexer keys [B, S // ratio, dI] of the complete windows of x, entry i rotated at ratio·i."""
+        latent = self.compressor(x_BSD)
+        return apply_rope(latent, entry_positions(latent, self.ratio), inv_freq)
+
+    def scores(self, x_BSD, qr_BSQ, positions_BS, keys_BTd, visible_BST, inv_freq):
+        """Index scores I [B, S, T] in fp32, −inf where not visible."""
+        b, s, _ = x_BSD.shape
+        q = self.wq_b(qr_BSQ).reshape(b, s, self.heads, self.head_dim)
+        q = apply_rope(q, positions_BS, inv_freq)
+        return lightning_scores(q, keys_BTd, self.weights_proj(x_BSD), visible_BST)
+
+
+def lightning_scores(q_BSJd, keys_BTd, w_BSJ, visible_BST):
+    """I[t, i] = Σ_j w[t, j]·J^-½ · relu(q[t, j] · k[i]) · dI^-½ in fp32, −inf where not visible."""
+    heads, head_dim = q_BSJd.shape[-2:]
+    dots = jnp.einsum("bsjd,btd->bsjt", q_BSJd.astype(jnp.float32), keys_BTd.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+    dots = jax.nn.relu(dots) * head_dim ** -0.5
+    w = w_BSJ.astype(jnp.float32) * heads ** -0.5
+    scores = jnp.sum(dots * w[..., None], axis=2)
+    return jnp.where(visible_BST, scores, NEG_INF)
+
+
+def entry_positions(entries_BTK, ratio: int):
+    """[B, T] RoPE positions of compressed entries: entry i sits at its window's first token, ratio·i."""
+    return ratio * jnp.broadcast_to(jnp.arange(entries_BTK.shape[1]), entries_BTK.shape[:2])
+
+
+def visible_entries(positions_BS, ratio: int, num_entries: int):
+    """[B, S, T] bool: entry i is visible to the query at position p iff i < (p + 1) // ratio."""
+    return jnp.arange(num_entries)[None, None, :] < ((positions_BS + 1) // ratio)[..., None]
+
+
+def top_k_indices(scores_BST, k: int):
+    """The top-k entries per query, sorted ascending, −1 where fewer than k are reachable. [B, S, k]."""
+    k_eff = min(k, scores_BST.shape[-1])
+    values, idx = jax.lax.top_k(scores_BST, k_eff)
+    idx = jnp.where(values > NEG_INF, idx, scores_BST.shape[-1])
+    idx = jnp.sort(idx, axis=-1)
+    idx = jnp.where(idx == scores_BST.shape[-1], -1, idx)
+    if k_eff < k:
+        idx = jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, k - k_eff)], constant_values=-1)
+    return idx
+
+
+def indices_to_mask(idx_BSk, num_entries: int):
+    """[B, S, T] bool mask of the picked entries (−1 picks nothing)."""
+    return jnp.any(idx_BSk[..., None] == jnp.arange(num_entries), axis=-2)
+
+
+def candidate_blocks(scores_BST, visible_count_BS, max_blocks: int, block: int):
+    """[B, S, ceil(T / block)] bool: the blocks kept in the candidate pool (DESIGN §3.4)."""
+    t = scores_BST.shape[-1]
+    pad = -t % block
+    padded = jnp.pad(scores_BST, [(0, 0), (0, 0), (0, pad)], constant_values=NEG_INF)
+    block_scores = padded.reshape(*scores_BST.shape[:-1], -1, block).max(axis=-1)
+    n_blocks = block_scores.shape[-1]
+    newest = (visible_count_BS - 1) // block  # −1 (nothing visible) pins nothing
+    block_scores = jnp.where(jnp.arange(n_blocks) == newest[..., None], jnp.inf, block_scores)
+    values, idx = jax.lax.top_k(block_scores, min(max_blocks, n_blocks))
+    return jnp.any((idx[..., None] == jnp.arange(n_blocks)) & (values > NEG_INF)[..., None], axis=-2)
+
+
+def blocks_to_entries(blocks_BSn, block: int, num_entries: int):
+    """[B, S, T] bool: the entries of the kept blocks."""
+    return jnp.repeat(blocks_BSn, block, axis=-1)[..., :num_entries]

@@ -1,0 +1,32 @@
+"""Bias-free dense projection, the only kind DeepSeek-V4/V4.1 use."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41.nn.policy import Policy
+
+INIT_STD = 0.02  # the port's initializer_range
+
+
+def param(rngs: nnx.Rngs, shape, axes, dtype, init=None) -> nnx.Param:
+    """A parameter with logical axis names; `init` defaults to normal(0.02)."""
+    init = init or jax.nn.initializers.normal(INIT_STD)
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=tuple(axes), eager_sharding=False)
+
+
+def ones(shape, axes, dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype), out_sharding=tuple(axes), eager_sharding=False)
+
+
+class Dense(nnx.Module):
+    """y = x @ w with w [din, dout]."""
+
+    def __init__(self, din: int, dout: int, axes: tuple[str, str], *, policy: Policy, rngs: nnx.Rngs):
+        self.policy = policy
+        self.w = param(rngs, (din, dout), axes, policy.param_dtype)
+
+    def __call__(self, x):
+        return self.policy.dot(x, self.w[...])

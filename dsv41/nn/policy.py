@@ -1,0 +1,45 @@
+"""The dtype policy: parameter storage, matmul compute and matmul precision, stated once.
+
+Whatever the policy, the numerically fragile parts run in float32 (DESIGN §3.1, §3.3, §3.6):
+norms, softmaxes, mHC, the router, the ratio-2 compressor pooling; and the parameters the released
+checkpoint stores in F32 (mHC, attention sinks, router biases) are kept in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from dsv41.errors import ConfigError
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    param_dtype: jnp.dtype
+    compute_dtype: jnp.dtype
+
+    @property
+    def precision(self):
+        # fp32 compute means fp32 matmuls on every backend (TPUs otherwise pass bf16 by default).
+        return jax.lax.Precision.HIGHEST if self.compute_dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+    def dot(self, x, w):
+        """x @ w in the compute dtype (w stored [in, out])."""
+        return jnp.dot(x.astype(self.compute_dtype), w.astype(self.compute_dtype), precision=self.precision)
+
+
+def from_config(cfg) -> Policy:
+    out = []
+    for field in ("param_dtype", "compute_dtype"):
+        name = cfg.runtime[field]
+        if name not in DTYPES:
+            raise ConfigError(f"runtime.{field}", name, f"expected one of {list(DTYPES)}")
+        out.append(DTYPES[name])
+    return Policy(*out)
+
+
+FP32 = Policy(jnp.float32, jnp.float32)

@@ -1,0 +1,293 @@
+"""Configs and weights from transformers-style checkpoints (DESIGN §11).
+
+Two namings are understood:
+- the V4.1 port (`model_type` "deepseek_v41_text"/"deepseek_v41"; parameter names as in the official
+  checkpoint, e.g. `model.layers.3.attn.wq_b.weight`, `model.layers.0.ffn.experts.5.w1.weight`);
+- the released transformers V4 (`DeepseekV4ForCausalLM`, `model_type` "deepseek_v4").
+A converted config keeps the numerics of its source: the V4.1 port quantises (quant "qat"), the
+released V4 does not (quant "none").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41 import config as config_lib
+from dsv41.errors import ConfigError
+
+V41_TYPES = ("deepseek_v41_text", "deepseek_v41")
+V4_TYPES = ("deepseek_v4",)
+
+
+# ------------------------------------------------------------------------------------------------
+# Configs
+
+
+def config_from_transformers(config_dict: Mapping):
+    """A dsv41 config from a transformers config dict (V4.1 port or released V4)."""
+    c = dict(config_dict)
+    if "text_config" in c and isinstance(c["text_config"], Mapping):
+        c = dict(c["text_config"])
+    model_type = c.get("model_type")
+    if model_type in V41_TYPES:
+        return config_lib.build(_v41_raw(c))
+    if model_type in V4_TYPES:
+        from dsv41 import transformers_v4
+
+        return config_lib.build(transformers_v4.raw_config(c))
+    raise ConfigError("model_type", model_type, f"expected one of {list(V41_TYPES + V4_TYPES)}")
+
+
+def _require(c: Mapping, key: str, allowed, why: str):
+    value = c.get(key, allowed[0])
+    if value not in allowed:
+        raise ConfigError(key, value, f"expected {allowed[0]!r}: {why}")
+
+
+def common_architecture(c: Mapping, family: str) -> dict:
+    """The `architecture` block fields shared by V4 and V4.1 transformers configs."""
+    _require(c, "num_key_value_heads", (1,), "one shared KV latent (MQA)")
+    _require(c, "hidden_act", ("silu",), "SwiGLU experts")
+    _require(c, "scoring_func", ("sqrtsoftplus",), "sqrt-softplus router scores")
+    _require(c, "norm_topk_prob", (True,), "normalised top-k routing weights")
+    _require(c, "attention_bias", (False,), "bias-free projections")
+    _require(c, "gate_temp", (1.0, 1), "no router temperature")
+    rope = c["rope_parameters"]
+    main, comp = rope["main"], rope["compress"]
+    head_dim = c["head_dim"]
+    rope_dim = c.get("qk_rope_head_dim") or int(round(head_dim * main.get("partial_rotary_factor", 1.0)))
+    if comp.get("rope_type", "default") != "yarn":
+        raise ConfigError("rope_parameters.compress.rope_type", comp.get("rope_type"), "expected 'yarn'")
+    if comp.get("attention_factor", 1.0) != 1.0:
+        raise ConfigError("rope_parameters.compress.attention_factor", comp["attention_factor"],
+                          "expected 1.0 (the reference does not scale cos/sin)")
+    return {
+        "family": family,
+        "vocab_size": c["vocab_size"],
+        "hidden_size": c["hidden_size"],
+        "num_heads": c["num_attention_heads"],
+        "head_dim": head_dim,
+        "rope_head_dim": rope_dim,
+        "q_lora_rank": c["q_lora_rank"],
+        "o_groups": c["o_groups"],
+        "o_lora_rank": c["o_lora_rank"],
+        "norm_eps": c["rms_norm_eps"],
+        "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
+        "rope": {
+            "theta": main["rope_theta"],
+            "compressed_theta": comp["rope_theta"],
+            "yarn_factor": comp["factor"],
+            "yarn_original_max_position": comp["original_max_position_embeddings"],
+            "yarn_beta_fast": comp.get("beta_fast") or 32.0,
+            "yarn_beta_slow": comp.get("beta_slow") or 1.0,
+            "max_position": c["max_position_embeddings"],
+        },
+        "moe": {
+            "num_experts": c["n_routed_experts"],
+            "top_k": c["num_experts_per_tok"],
+            "num_shared_experts": c.get("n_shared_experts", 1),
+            "intermediate_size": c["moe_intermediate_size"],
+            "score_func": "sqrtsoftplus",
+            "route_scale": c["routed_scaling_factor"],
+            "swiglu_limit": c["swiglu_limit"],
+        },
+        "mhc": {"streams": c["hc_mult"], "sinkhorn_iters": c["hc_sinkhorn_iters"], "eps": c["hc_eps"]},
+    }
+
+
+def _v41_groups(ratios, kv_sources, index_sources, start, stop):
+    groups = []
+    for i in range(start, stop):
+        mode = "full" if i in kv_sources else "reindex" if i in index_sources else "reuse"
+        if mode != "reuse" or not groups:
+            groups.append({"size": 0, "modes": []})
+        groups[-1]["size"] += 1
+        groups[-1]["modes"].append(mode)
+    return groups
+
+
+def _v41_raw(c: Mapping) -> dict:
+    ratios = list(c["compress_ratios"])
+    n = c["num_hidden_layers"]
+    if len(ratios) != n:
+        raise ConfigError("compress_ratios", ratios, f"expected {n} entries (num_hidden_layers)")
+    window_only = [i for i, r in enumerate(ratios) if r == 0]
+    if window_only not in ([], [0, 1]):
+        raise ConfigError("compress_ratios", ratios, "expected window-only (ratio 0) layers only at 0 and 1")
+    decoder_ratio = ratios[-1]
+    split = ratios.index(decoder_ratio, len(window_only))
+    encoder_ratio = ratios[len(window_only)] if split > len(window_only) else decoder_ratio
+    kv_sources, index_sources = set(c["kv_source_layer_ids"]), set(c["index_source_layer_ids"])
+    if split == len(window_only):  # no separate encoder ratio: a single stage is the decoder
+        raise ConfigError("compress_ratios", ratios, "expected an encoder ratio before the decoder's (CED)")
+    window = c["sliding_window"]
+    candidate = c.get("candidate_source_layer_id", -1)
+    engram_layers = list(c.get("engram_layer_ids") or [])
+    return {
+        "model": c.get("_name_or_path") or "DeepSeek-V4.1 (from transformers)",
+        "context_window": c["max_position_embeddings"],
+        "quant": "qat",  # the port fake-quantises at every site, always
+        "kv_cache": {"swa_window_size": window},
+        "csa2": {
+            "encoder": {"layers": split, "first_two_layers": "swa_only" if window_only else "grouped",
+                        "compression_ratio": encoder_ratio,
+                        "groups": _v41_groups(ratios, kv_sources, index_sources, len(window_only), split)},
+            "decoder": {"layers": n - split, "compression_ratio": decoder_ratio,
+                        "groups": _v41_groups(ratios, kv_sources, index_sources, split, n)},
+            "indexer": {
+                "query_heads": c["index_n_heads"], "head_dim": c["index_head_dim"], "top_k": c["index_topk"],
+                "hierarchical": {
+                    "enabled": candidate >= 0,
+                    "max_blocks": c.get("candidate_topk_blocks", 2048),
+                    "positions_per_block": c.get("candidate_block_size", 8),
+                    "candidate_pool_size": c.get("candidate_topk_blocks", 2048) * c.get("candidate_block_size", 8),
+                },
+            },
+        },
+        "swa_bounded_replay": {"encoder_replay_tokens": min(128, window), "decoder_replay_tokens": min(128, window)},
+        "architecture": {
+            **common_architecture(c, "v41"),
+            "mhc": {**common_architecture(c, "v41")["mhc"], "variant": "single_pass"},
+            "engram": {
+                "layers": engram_layers,
+                "max_ngram": c.get("engram_max_ngram_size", 4),
+                "heads_per_ngram": c.get("engram_n_heads", 8),
+                "row_dim": c.get("engram_head_dim", 256),
+                "compressed_vocab_size": c.get("engram_compressed_vocab_size", 99092),
+                "prime_floor": c.get("engram_vocab_size", 16_000_000),
+                "pad_id": c.get("engram_pad_id", 2),
+            },
+        },
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Weights
+
+
+def to_numpy(t) -> np.ndarray:
+    """A torch tensor or array-like as a NumPy array (float8/bfloat16 tensors widened to float32)."""
+    if hasattr(t, "detach"):
+        t = t.detach().cpu()
+        if t.dtype.is_floating_point and t.dtype.itemsize < 4:
+            t = t.float()
+        return t.numpy()
+    return np.asarray(t)
+
+
+def _t(x):
+    return np.ascontiguousarray(x.T)
+
+
+# Checkpoint tensors dsv41 deliberately does not load: the vision path and the DSpark drafter are out
+# of scope (DESIGN §2), as in the port.
+V41_IGNORED = re.compile(r"(^|\.)mtp\.|^vision\.|^aligner\.|^image_(start|end|newline)$|\.ffn\.gate\.bias_vl$")
+
+_L = r"model\.layers\.(\d+)\."
+V41_RULES = [
+    (r"model\.embed\.weight", lambda m: ("embed",), None),
+    (r"lm_head\.weight", lambda m: ("head", "w"), _t),
+    (r"model\.norm\.weight", lambda m: ("norm", "weight"), None),
+    (_L + r"hc_(attn|ffn)_(fn|base|scale)", lambda m: ("layers", int(m[1]), f"hc_{m[2]}", m[3]), None),
+    (_L + r"(attn_norm|ffn_norm)\.weight", lambda m: ("layers", int(m[1]), m[2], "weight"), None),
+    (_L + r"attn\.attn_sink", lambda m: ("layers", int(m[1]), "attn", "attn_sink"), None),
+    (_L + r"attn\.(wq_a|wq_b|wkv|wo_b)\.weight", lambda m: ("layers", int(m[1]), "attn", m[2], "w"), _t),
+    (_L + r"attn\.(q_norm|kv_norm)\.weight", lambda m: ("layers", int(m[1]), "attn", m[2], "weight"), None),
+    (_L + r"attn\.wo_a\.weight", lambda m: ("layers", int(m[1]), "attn", "wo_a"), "wo_a"),
+    (_L + r"attn\.compressor\.(wkv|wgate)\.weight", lambda m: ("layers", int(m[1]), "attn", "compressor", m[2], "w"), _t),
+    (_L + r"attn\.compressor\.norm\.weight", lambda m: ("layers", int(m[1]), "attn", "compressor", "norm", "weight"), None),
+    (_L + r"attn\.indexer\.(wq_b|weights_proj|wk)\.weight", lambda m: ("layers", int(m[1]), "attn", "indexer", m[2], "w"), _t),
+    (_L + r"attn\.indexer\.k_norm\.weight", lambda m: ("layers", int(m[1]), "attn", "indexer", "k_norm", "weight"), None),
+    (_L + r"ffn\.gate\.weight", lambda m: ("layers", int(m[1]), "ffn", "gate"), _t),
+    (_L + r"ffn\.gate\.bias", lambda m: ("layers", int(m[1]), "ffn", "bias"), None),
+    (_L + r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight", lambda m: ("layers", int(m[1]), "ffn", m[3]), "expert"),
+    (_L + r"ffn\.shared_experts\.(w1|w2|w3)\.weight", lambda m: ("layers", int(m[1]), "ffn", "shared", m[2], "w"), _t),
+    (_L + r"engram\.(q_weight|k_weight)", lambda m: ("layers", int(m[1]), "engram", m[2]), None),
+    (_L + r"engram\.embed\.weight", lambda m: ("layers", int(m[1]), "engram", "table"), "engram_table"),
+    (_L + r"engram\.embed\.scale", None, "engram_scale"),
+    (_L + r"engram\.wkv\.weight", lambda m: ("layers", int(m[1]), "engram", "wkv", "w"), _t),
+]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the config: every unknown, missing and misshaped tensor listed."""
+
+
+def params_from_transformers(state_dict: Mapping, cfg) -> nnx.State:
+    """dsv41 parameters from a transformers-style state dict (torch tensors or arrays) for `cfg`."""
+    from dsv41 import model as model_lib
+
+    if cfg.architecture.family == "v4":
+        from dsv41 import transformers_v4
+
+        rules, ignored = transformers_v4.RULES, transformers_v4.IGNORED
+    else:
+        rules, ignored = V41_RULES, V41_IGNORED
+    abstract = model_lib.abstract_params(cfg)
+    expected = {path: var for path, var in nnx.to_flat_state(abstract)}
+    values: dict[tuple, np.ndarray] = {}
+    experts: dict[tuple, dict[int, np.ndarray]] = {}
+    unknown, misshaped = [], []
+    compiled = [(re.compile(p + "$"), target, how) for p, target, how in rules]
+    for name, tensor in state_dict.items():
+        if ignored.search(name):
+            continue
+        for pattern, target, how in compiled:
+            m = pattern.match(name)
+            if m:
+                break
+        else:
+            unknown.append(name)
+            continue
+        if how == "engram_scale":
+            continue  # float tables are exact without it (the port ignores it too); fp8 tables are dequantised at convert time
+        array = to_numpy(tensor)
+        path = target(m)
+        if isinstance(path, list):  # one packed tensor holding several parameters (V4's gate_up_proj)
+            if any(p not in expected for p in path):
+                unknown.append(name)
+            else:
+                values.update(zip(path, how(array)))
+            continue
+        if path not in expected and how != "expert":
+            unknown.append(name)
+            continue
+        if how == "expert":
+            experts.setdefault(path, {})[int(m[2])] = _t(array)
+            continue
+        if how == "wo_a":
+            g = cfg.architecture.o_groups
+            array = array.reshape(g, -1, array.shape[-1]).transpose(0, 2, 1)
+        elif callable(how):
+            array = how(array)
+        values[path] = array
+    for path, per_expert in experts.items():
+        if path not in expected:
+            unknown.append(".".join(map(str, path)))
+            continue
+        n = expected[path].get_value().shape[0]
+        gaps = [e for e in range(n) if e not in per_expert]
+        if gaps:
+            unknown.extend([])
+            misshaped.append(f"{'.'.join(map(str, path))}: experts {gaps} missing of {n}")
+            continue
+        values[path] = np.stack([per_expert[e] for e in range(n)])
+    missing = [".".join(map(str, p)) for p in expected if p not in values]
+    for path, array in values.items():
+        want = expected[path].get_value().shape
+        if tuple(array.shape) != tuple(want):
+            misshaped.append(f"{'.'.join(map(str, path))}: got {tuple(array.shape)}, expected {tuple(want)}")
+    if unknown or missing or misshaped:
+        raise CheckpointError(
+            "checkpoint does not match the config:"
+            + (f"\n  unknown tensors ({len(unknown)}): {sorted(unknown)}" if unknown else "")
+            + (f"\n  missing parameters ({len(missing)}): {sorted(missing)}" if missing else "")
+            + (f"\n  misshaped ({len(misshaped)}): {misshaped}" if misshaped else ""))
+    flat = [(path, var.replace(jnp.asarray(values[path], dtype=var.get_value().dtype)))
+            for path, var in expected.items()]
+    return nnx.from_flat_state(flat)
