@@ -9,5 +9,6 @@ def test_kernels_are_installed_as_dsv41_kernels():
 
 
 def test_public_api():
-    for name in ("load_config", "layer_plan", "kv_bytes_per_token", "ConfigError"):
-        assert hasattr(dsv41, name)
+    for name in ("load_config", "layer_plan", "kv_bytes_per_token", "ConfigError", "init_params", "forward",
+                 "config_from_transformers", "params_from_transformers"):
+        assert callable(getattr(dsv41, name)), name
