@@ -83,11 +83,21 @@ class IndexerV4(nnx.Module):
 
 def lightning_scores(q_BSJd, keys_BTd, w_BSJ, visible_BST):
     """I[t, i] = Σ_j w[t, j]·J^-½ · relu(q[t, j] · k[i]) · dI^-½ in fp32, −inf where not visible."""
-    heads, head_dim = q_BSJd.shape[-2:]
     dots = jnp.einsum("bsjd,btd->bsjt", q_BSJd.astype(jnp.float32), keys_BTd.astype(jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
-    dots = jax.nn.relu(dots) * head_dim ** -0.5
-    w = w_BSJ.astype(jnp.float32) * heads ** -0.5
+    return _weigh(dots, q_BSJd.shape[-1], w_BSJ, visible_BST)
+
+
+def lightning_scores_per_query(q_BSJd, keys_BSPd, w_BSJ, visible_BSP):
+    """`lightning_scores` against keys gathered per query (the candidate pool): [B, S, P]."""
+    dots = jnp.einsum("bsjd,bspd->bsjp", q_BSJd.astype(jnp.float32), keys_BSPd.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+    return _weigh(dots, q_BSJd.shape[-1], w_BSJ, visible_BSP)
+
+
+def _weigh(dots_BSJT, head_dim: int, w_BSJ, visible_BST):
+    dots = jax.nn.relu(dots_BSJT) * head_dim ** -0.5
+    w = w_BSJ.astype(jnp.float32) * dots_BSJT.shape[2] ** -0.5
     scores = jnp.sum(dots * w[..., None], axis=2)
     return jnp.where(visible_BST, scores, NEG_INF)
 
@@ -116,11 +126,14 @@ def top_k_indices(scores_BST, k: int):
 
 def indices_to_mask(idx_BSk, num_entries: int):
     """[B, S, T] bool mask of the picked entries (−1 picks nothing)."""
-    return jnp.any(idx_BSk[..., None] == jnp.arange(num_entries), axis=-2)
+    return block_ids_to_mask(idx_BSk, num_entries)
 
 
-def candidate_blocks(scores_BST, visible_count_BS, max_blocks: int, block: int):
-    """[B, S, ceil(T / block)] bool: the blocks kept in the candidate pool (DESIGN §3.4)."""
+def candidate_block_ids(scores_BST, visible_count_BS, max_blocks: int, block: int):
+    """[B, S, max_blocks] int32: the blocks kept in the candidate pool, ascending, −1 padded (DESIGN §3.4).
+
+    Block score = max of I over its `block` entries; the block of the newest visible entry is always kept.
+    """
     t = scores_BST.shape[-1]
     pad = -t % block
     padded = jnp.pad(scores_BST, [(0, 0), (0, 0), (0, pad)], constant_values=NEG_INF)
@@ -129,7 +142,24 @@ def candidate_blocks(scores_BST, visible_count_BS, max_blocks: int, block: int):
     newest = (visible_count_BS - 1) // block  # −1 (nothing visible) pins nothing
     block_scores = jnp.where(jnp.arange(n_blocks) == newest[..., None], jnp.inf, block_scores)
     values, idx = jax.lax.top_k(block_scores, min(max_blocks, n_blocks))
-    return jnp.any((idx[..., None] == jnp.arange(n_blocks)) & (values > NEG_INF)[..., None], axis=-2)
+    ids = jnp.sort(jnp.where(values > NEG_INF, idx, n_blocks), axis=-1)
+    ids = jnp.where(ids == n_blocks, -1, ids).astype(jnp.int32)
+    if ids.shape[-1] < max_blocks:
+        ids = jnp.pad(ids, [(0, 0), (0, 0), (0, max_blocks - ids.shape[-1])], constant_values=-1)
+    return ids
+
+
+def block_ids_to_mask(ids_BSn, n_blocks: int):
+    """[B, S, n_blocks] bool of the kept blocks (−1 keeps nothing)."""
+    return jnp.zeros((*ids_BSn.shape[:-1], n_blocks + 1), bool).at[
+        jnp.arange(ids_BSn.shape[0])[:, None, None], jnp.arange(ids_BSn.shape[1])[None, :, None],
+        jnp.where(ids_BSn < 0, n_blocks, ids_BSn)].set(True)[..., :n_blocks]
+
+
+def candidate_blocks(scores_BST, visible_count_BS, max_blocks: int, block: int):
+    """[B, S, ceil(T / block)] bool: the blocks kept in the candidate pool."""
+    n_blocks = -(-scores_BST.shape[-1] // block)
+    return block_ids_to_mask(candidate_block_ids(scores_BST, visible_count_BS, max_blocks, block), n_blocks)
 
 
 def blocks_to_entries(blocks_BSn, block: int, num_entries: int):
