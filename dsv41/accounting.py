@@ -105,3 +105,26 @@ def _layout_bytes(cfg) -> dict:
         "index": _number(index * lay.layers),
         "gb_per_million_tokens": float(total * 10**6 / GB),
     }
+
+
+def fixed_bytes_per_sequence(cfg) -> dict:
+    """The per-sequence part of the inference cache that does not grow with the context.
+
+    window_rings: every layer's FP8 ring of `swa_window_size` rows; leftovers: the fp32 wkv·x and
+    wgate·x of the (ratio − 1) tokens a ratio > 1 compressor may hold; pool: the int32 candidate
+    blocks of the last step; lengths: one int32; recent_tokens: the int32 Engram look-back.
+    """
+    plan = layer_plan(cfg)
+    a = cfg.architecture
+    sizes = entry_bytes(cfg)
+    int32, fp32 = 4, 4
+    parts = {
+        "window_rings": _number(len(plan) * cfg.kv_cache.swa_window_size * sizes["window"]),
+        "leftovers": sum((r.ratio - 1) * 2 * a.head_dim * fp32 for r in plan if r.stores_entries),
+        "pool": int32 * cfg.csa2.indexer.hierarchical.max_blocks
+        if any(r.candidate_source is not None for r in plan) else 0,
+        "lengths": int32,
+        "recent_tokens": int32 * (a.engram.max_ngram - 1) if list(a.engram.layers) else 0,
+    }
+    parts["total"] = sum(parts.values())
+    return parts

@@ -1,0 +1,121 @@
+"""The inference cache (DESIGN §6): one explicit pytree, outside the modules, in the stored formats.
+
+Per Full layer (the layers that own a compressor): the packed FP4 main entries with their E4M3
+scales, the packed FP4 indexer keys with their UE8M0 scales, both [B, max_len // ratio, ·], and the
+compressor leftovers (fp32 wkv·x and wgate·x of the tokens of the unfinished group). Per layer: the
+FP8 window ring with its UE8M0 scales. Per sequence: its length, the candidate pool chosen at the
+last step and the last tokens the Engram n-gram hashes look back on. Every shape is static. The
+one-byte formats are kept as their bits (uint8): a gather then moves bytes and nothing converts a
+whole store (`quant.to_bytes` / `quant.from_bytes` convert).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dsv41 import accounting, quant
+from dsv41.errors import ConfigError
+from dsv41.plan import layer_plan
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class CompressedKV:
+    """The global KV of one Full layer."""
+
+    entries: jax.Array        # uint8 [B, T, K/2]     FP4 E2M1, two per byte (even element low nibble)
+    entry_scales: jax.Array   # uint8 [B, T, K/16]     the bits of E4M3 scales
+    index_keys: jax.Array     # uint8 [B, T, dI/2]    FP4 E2M1
+    index_scales: jax.Array   # uint8 [B, T, dI/32]    the bits of UE8M0 scales
+    leftover: jax.Array       # float32 [B, ratio-1, 2K]: wkv·x | wgate·x of the unfinished group's tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Cache:
+    lengths: jax.Array        # int32 [B]           tokens seen per row
+    window: jax.Array         # uint8 [L, B, W, K]     the bits of FP8 E4M3 values; slot p % W holds position p
+    window_scales: jax.Array  # uint8 [L, B, W, K/32]  the bits of UE8M0 scales
+    compressed: tuple         # CompressedKV per Full layer, in layer order
+    pool_blocks: jax.Array    # int32 [B, max_blocks]  the candidate blocks of the last step (-1: none)
+    recent_tokens: jax.Array  # int32 [B, max_ngram-1] the last tokens (Engram look-back), -1 before start
+
+    def full_layers(self, cfg) -> tuple[int, ...]:
+        return full_layers(cfg)
+
+
+def full_layers(cfg) -> tuple[int, ...]:
+    return tuple(r.index for r in layer_plan(cfg) if r.stores_entries)
+
+
+def _shapes(cfg, batch: int, max_len: int) -> dict:
+    a = cfg.architecture
+    k, w = a.head_dim, cfg.kv_cache.swa_window_size
+    d_i = cfg.csa2.indexer.head_dim
+    plan = layer_plan(cfg)
+    compressed = []
+    for r in plan:
+        if not r.stores_entries:
+            continue
+        t = max_len // r.ratio
+        compressed.append(CompressedKV(
+            entries=jax.ShapeDtypeStruct((batch, t, k // 2), jnp.uint8),
+            entry_scales=jax.ShapeDtypeStruct((batch, t, k // quant.BLOCK[quant.FP4_E4M3_16]), jnp.uint8),
+            index_keys=jax.ShapeDtypeStruct((batch, t, d_i // 2), jnp.uint8),
+            index_scales=jax.ShapeDtypeStruct((batch, t, d_i // quant.BLOCK[quant.MXFP4]), jnp.uint8),
+            leftover=jax.ShapeDtypeStruct((batch, r.ratio - 1, 2 * k), jnp.float32),
+        ))
+    pool = cfg.csa2.indexer.hierarchical.max_blocks if any(r.candidate_source is not None for r in plan) else 0
+    return dict(
+        lengths=jax.ShapeDtypeStruct((batch,), jnp.int32),
+        window=jax.ShapeDtypeStruct((len(plan), batch, w, k), jnp.uint8),
+        window_scales=jax.ShapeDtypeStruct((len(plan), batch, w, k // quant.BLOCK[quant.FP8_UE8M0_32]), jnp.uint8),
+        compressed=tuple(compressed),
+        pool_blocks=jax.ShapeDtypeStruct((batch, pool), jnp.int32),
+        recent_tokens=jax.ShapeDtypeStruct((batch, a.engram.max_ngram - 1 if list(a.engram.layers) else 0),
+                                           jnp.int32),
+    )
+
+
+def check_capacity(cfg, max_len: int) -> None:
+    if cfg.architecture.family != "v41":
+        raise ConfigError("architecture.family", cfg.architecture.family, "the inference cache supports 'v41'")
+    ratios = sorted({r.ratio for r in layer_plan(cfg) if r.ratio})
+    step = math.lcm(*ratios) if ratios else 1
+    if not isinstance(max_len, int) or max_len <= 0 or max_len % step:
+        raise ConfigError("max_len", max_len, f"expected a positive multiple of {step} (the compression ratios {ratios})")
+    if max_len > cfg.context_window:
+        raise ConfigError("max_len", max_len,
+                          f"expected at most context_window = {cfg.context_window} (the maximum context length)")
+
+
+def abstract_cache(cfg, batch: int, max_len: int) -> Cache:
+    """The cache's shapes and dtypes without memory (for sizing a 1M-token cache)."""
+    check_capacity(cfg, max_len)
+    return Cache(**_shapes(cfg, batch, max_len))
+
+
+def init_cache(cfg, batch: int, max_len: int) -> Cache:
+    """An empty cache for `batch` rows of up to `max_len` tokens (a multiple of the compression ratios)."""
+    shapes = abstract_cache(cfg, batch, max_len)
+    # All-zero bytes: +0 values and the smallest scales (the UE8M0 byte 0 is 2^-127; there is no UE8M0 zero).
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return dataclasses.replace(cache, pool_blocks=jnp.full(shapes.pool_blocks.shape, -1, jnp.int32),
+                               recent_tokens=jnp.full(shapes.recent_tokens.shape, -1, jnp.int32))
+
+
+def nbytes(cache) -> int:
+    """Bytes of every leaf (works on arrays and on ShapeDtypeStructs)."""
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache))
+
+
+def expected_bytes(cfg, batch: int, max_len: int) -> dict:
+    """The accounting the cache must equal: kv_bytes_per_token × capacity + the fixed per-sequence part."""
+    per_token = accounting.kv_bytes_per_token(cfg)["total"]
+    fixed = accounting.fixed_bytes_per_sequence(cfg)
+    return {"global_kv": batch * per_token * max_len, "fixed": batch * fixed["total"],
+            "total": batch * (per_token * max_len + fixed["total"])}

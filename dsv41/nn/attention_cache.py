@@ -1,0 +1,210 @@
+"""The V4.1 attention layer over the inference cache (DESIGN §3.2–§3.4, §6): S new tokens per row.
+
+The same mechanism as `attention.Attention`, reading and writing the stored formats instead of
+recomputing the whole sequence: the FP8 window ring holds the last `window` tokens of the layer; a
+Full layer folds its compressor's unfinished group (the leftovers) into the new tokens, writes the
+completed entries (FP4 + E4M3 per 16) and indexer keys (MXFP4) into its store and scores the
+queries against every visible key; a Reindex layer scores only the keys of the candidate pool,
+gathered from the store, so its cost per query does not grow with the context; the attention
+gathers each query's selected entries and runs one softmax with the sink over [window | selected].
+Rows may hold different lengths and bring different numbers of new tokens (`valid_BS`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsv41 import quant
+from dsv41.cache import CompressedKV
+from dsv41.nn import indexer as ix
+from dsv41.nn.rope import apply_rope
+
+NEG_INF = -jnp.inf
+HI = jax.lax.Precision.HIGHEST
+
+
+def _rows(x):
+    return jnp.arange(x.shape[0])[:, None]
+
+
+def ring_positions(lengths_B, window: int):
+    """[B, W]: the position held by each ring slot (slot p % W holds p); negative where empty."""
+    last = lengths_B[:, None] - 1
+    return last - jnp.mod(last - jnp.arange(window), window)
+
+
+def write_rows(store, values_BNX, index_BN, keep_BN):
+    """store[b, index[b, n]] = values[b, n] where keep (others dropped)."""
+    index = jnp.where(keep_BN, index_BN, store.shape[1])
+    return store.at[_rows(index), index].set(values_BNX.astype(store.dtype), mode="drop")
+
+
+def gather_rows(store, index_BSk):
+    """store[b, index[b, s, j]] -> [B, S, k, ...] (index clamped; the caller masks invalid picks)."""
+    b = jnp.arange(store.shape[0])[:, None, None]
+    return store[b, jnp.clip(index_BSk, 0, store.shape[1] - 1)]
+
+
+def dequant_entries(packed, scale_bytes):
+    return quant.dequantize_fp4_e4m3_16(quant.unpack_fp4(packed), quant.from_bytes(scale_bytes, jnp.float8_e4m3fn))
+
+
+def dequant_keys(packed, scale_bytes):
+    return quant.dequantize_mxfp4(quant.unpack_fp4(packed), quant.from_bytes(scale_bytes, jnp.float8_e8m0fnu))
+
+
+def dequant_window(value_bytes, scale_bytes):
+    return quant.dequantize_fp8_ue8m0_32(quant.from_bytes(value_bytes, jnp.float8_e4m3fn),
+                                         quant.from_bytes(scale_bytes, jnp.float8_e8m0fnu))
+
+
+def compress_step(comp, x_BSD, lengths_B, counts_B, leftover_BRK):
+    """Latents of the groups completed by this call, folding in the leftover tokens.
+
+    Returns (latent [B, E, K], entry index [B, E], done [B, E], new leftover [B, m-1, 2K]).
+    """
+    m = comp.ratio
+    b, s, _ = x_BSD.shape
+    if comp.wgate is None:  # ratio 1: every token is its own entry
+        positions = lengths_B[:, None] + jnp.arange(s)
+        return comp(x_BSD), positions, jnp.arange(s) < counts_B[:, None], leftover_BRK
+    x = x_BSD.astype(jnp.float32)
+    kvg = jnp.concatenate([jnp.dot(x, comp.wkv.w[...].astype(jnp.float32), precision=HI),
+                           jnp.dot(x, comp.wgate.w[...].astype(jnp.float32), precision=HI)], axis=-1)
+    e_max = (s + m - 1) // m
+    new_len = lengths_B + counts_B
+    entry = lengths_B[:, None] // m + jnp.arange(e_max)                   # [B, E]
+    done = (entry + 1) * m <= new_len[:, None]
+    member = m * entry[..., None] + jnp.arange(m)                          # [B, E, m] positions
+    in_chunk = member >= lengths_B[:, None, None]
+    rows = jnp.arange(b)[:, None, None]
+    from_chunk = kvg[rows, jnp.clip(member - lengths_B[:, None, None], 0, s - 1)]
+    held = jnp.concatenate([leftover_BRK, jnp.zeros_like(leftover_BRK[:, :1])], axis=1)  # slot r = group member r
+    vals = jnp.where(in_chunk[..., None], from_chunk, held[:, None, :, :])
+    kv, gate = jnp.split(vals, 2, axis=-1)
+    latent = comp.norm(jnp.sum(kv * jax.nn.softmax(gate, axis=2), axis=2).astype(x_BSD.dtype))
+    # The new unfinished group: its first new_len % m members.
+    r = jnp.arange(m - 1)
+    pos = (new_len // m)[:, None] * m + r                                  # [B, m-1]
+    keep = r < (new_len % m)[:, None]
+    from_chunk = kvg[jnp.arange(b)[:, None], jnp.clip(pos - lengths_B[:, None], 0, s - 1)]
+    new_left = jnp.where((pos >= lengths_B[:, None])[..., None], from_chunk, leftover_BRK)
+    return latent, entry, done, jnp.where(keep[..., None], new_left, 0.0)
+
+
+def pool_gather_scores(q_BSJd, w_BSJ, store: CompressedKV, block_ids_BSn, block: int, visible_BS):
+    """Reindex scores over the gathered pool keys only: ([B, S, P] scores, [B, S, P] entry ids)."""
+    entry = block_ids_BSn[..., None] * block + jnp.arange(block)
+    entry = entry.reshape(*block_ids_BSn.shape[:-1], -1)                   # [B, S, P]
+    ok = (block_ids_BSn[..., None] >= 0).repeat(block, -1).reshape(entry.shape) & (entry < visible_BS[..., None])
+    keys = dequant_keys(gather_rows(store.index_keys, entry), gather_rows(store.index_scales, entry))
+    scores = ix.lightning_scores_per_query(q_BSJd, keys, w_BSJ, ok)
+    return scores, jnp.where(ok, entry, -1)
+
+
+def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, published: dict, stores: dict):
+    """One layer over the cache. `ring` = (values [B,W,K], scales [B,W,K/32]) of this layer; `stores`
+    maps Full layers to their CompressedKV (updated in place in the dict). Returns (y [B,S,D], ring)."""
+    rec = attn.record
+    b, s, _ = x_BSD.shape
+    counts = valid_BS.sum(-1).astype(jnp.int32)
+    new_len = lengths_B + counts
+    inv_freq = np.asarray(attn.inv_freq, np.float32)
+    qr = attn.q_norm(attn.wq_a(x_BSD))
+    q = apply_rope(attn.wq_b(qr).reshape(b, s, attn.heads, attn.head_dim), positions_BS, inv_freq)
+    kv_vals, kv_scales = quant.quantize_fp8_ue8m0_32(apply_rope(attn.kv_norm(attn.wkv(x_BSD)), positions_BS, inv_freq))
+    kv = quant.dequantize_fp8_ue8m0_32(kv_vals, kv_scales).astype(x_BSD.dtype)
+
+    # Window: the ring (positions < lengths) and the new tokens.
+    ring_vals, ring_scales = ring
+    ring_pos = ring_positions(lengths_B, attn.window)
+    keys_w = jnp.concatenate([dequant_window(ring_vals, ring_scales).astype(kv.dtype), kv], axis=1)
+    key_pos = jnp.concatenate([ring_pos, positions_BS], axis=1)
+    key_ok = jnp.concatenate([ring_pos >= 0, valid_BS], axis=1)
+    delta = positions_BS[:, :, None] - key_pos[:, None, :]
+    mask_w = key_ok[:, None, :] & (delta >= 0) & (delta < attn.window)
+    keep = valid_BS & (positions_BS >= new_len[:, None] - attn.window)
+    ring = (write_rows(ring_vals, quant.to_bytes(kv_vals), positions_BS % attn.window, keep),
+            write_rows(ring_scales, quant.to_bytes(kv_scales), positions_BS % attn.window, keep))
+
+    sel = sel_ok = None
+    if rec.ratio:
+        _publish_step(attn, x_BSD, qr, positions_BS, valid_BS, lengths_B, counts, published, stores)
+        store = stores[rec.kv_source]
+        picks = published[rec.index_source]["picks"]                      # [B, S, k]
+        sel = dequant_entries(gather_rows(store.entries, picks), gather_rows(store.entry_scales, picks))
+        sel, sel_ok = sel.astype(kv.dtype), picks >= 0
+    out = attend_step(q, keys_w, mask_w, sel, sel_ok, attn.attn_sink[...], attn.head_dim ** -0.5)
+    out = apply_rope(out, positions_BS, inv_freq, inverse=True)
+    y = jnp.einsum("bsgi,gio->bsgo", out.reshape(b, s, attn.groups, -1).astype(attn.policy.compute_dtype),
+                   attn.wo_a[...].astype(attn.policy.compute_dtype), precision=attn.policy.precision)
+    return attn.wo_b(y.reshape(b, s, -1)), ring
+
+
+def _publish_step(attn, x_BSD, qr_BSQ, positions_BS, valid_BS, lengths_B, counts_B, published, stores):
+    rec = attn.record
+    cinv = np.asarray(attn.compressed_inv_freq, np.float32)
+    if rec.stores_entries:
+        store = stores[rec.index]
+        latent, entry, done, leftover = compress_step(attn.compressor, x_BSD, lengths_B, counts_B, store.leftover)
+        pos = rec.ratio * entry
+        vals, scales = quant.quantize_fp4_e4m3_16(apply_rope(latent, pos, cinv))
+        kvals, kscales = quant.quantize_mxfp4(apply_rope(attn.indexer.k_norm(attn.indexer.wk(latent)), pos, cinv))
+        stores[rec.index] = CompressedKV(
+            entries=write_rows(store.entries, quant.pack_fp4(vals), entry, done),
+            entry_scales=write_rows(store.entry_scales, quant.to_bytes(scales), entry, done),
+            index_keys=write_rows(store.index_keys, quant.pack_fp4(kvals), entry, done),
+            index_scales=write_rows(store.index_scales, quant.to_bytes(kscales), entry, done),
+            leftover=leftover)
+    if attn.indexer is None:
+        return
+    store = stores[rec.kv_source]
+    b, s, _ = x_BSD.shape
+    indexer = attn.indexer
+    qI = apply_rope(indexer.wq_b(qr_BSQ).reshape(b, s, indexer.heads, indexer.head_dim), positions_BS, cinv)
+    qI = quant.fake_quant(qI, quant.MXFP4)
+    w = indexer.weights_proj(x_BSD)
+    visible_count = (positions_BS + 1) // rec.ratio
+    mine = published.setdefault(rec.index, {})
+    if rec.candidate_source is not None and s == 1:
+        # Decode: score only the pool's keys (the Reindex promise, DESIGN §3.4).
+        pool_ids = published[rec.candidate_source]["pool_ids"]
+        scores, entry = pool_gather_scores(qI, w, store, pool_ids, attn.pool_block_size, visible_count)
+        local = ix.top_k_indices(scores, attn.top_k)
+        picks = jnp.where(local >= 0, jnp.take_along_axis(entry, jnp.maximum(local, 0), axis=-1), -1)
+        mine["picks"] = jnp.sort(jnp.where(picks < 0, jnp.iinfo(jnp.int32).max, picks), axis=-1)
+        mine["picks"] = jnp.where(mine["picks"] == jnp.iinfo(jnp.int32).max, -1, mine["picks"])
+        return
+    num = store.index_keys.shape[1]
+    keys = dequant_keys(store.index_keys, store.index_scales)
+    scores = ix.lightning_scores(qI, keys, w, ix.visible_entries(positions_BS, rec.ratio, num))
+    if attn.builds_pool:
+        mine["pool_ids"] = ix.candidate_block_ids(scores, visible_count, attn.pool_max_blocks, attn.pool_block_size)
+    if rec.candidate_source is not None:
+        pool = published[rec.candidate_source]["pool_ids"]
+        in_pool = ix.blocks_to_entries(ix.block_ids_to_mask(pool, -(-num // attn.pool_block_size)),
+                                       attn.pool_block_size, num)
+        scores = jnp.where(in_pool, scores, NEG_INF)
+    mine["picks"] = ix.top_k_indices(scores, attn.top_k)
+
+
+def attend_step(q_BSHK, keys_BTK, mask_BST, sel_BSkK, sel_ok_BSk, sink_H, scale: float):
+    """One softmax with the sink over the window keys (shared by the chunk) and each query's own
+    selected entries; a row with nothing valid gives 0."""
+    logits = jnp.einsum("bshk,btk->bhst", q_BSHK, keys_BTK, preferred_element_type=jnp.float32, precision=HI) * scale
+    parts = [jnp.where(mask_BST[:, None], logits, NEG_INF)]
+    if sel_BSkK is not None:
+        lc = jnp.einsum("bshk,bsjk->bhsj", q_BSHK, sel_BSkK, preferred_element_type=jnp.float32, precision=HI) * scale
+        parts.append(jnp.where(sel_ok_BSk[:, None], lc, NEG_INF))
+    sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[None, :, None, None], (*logits.shape[:-1], 1))
+    combined = jnp.concatenate(parts + [sink], axis=-1)
+    combined = combined - jnp.max(combined, axis=-1, keepdims=True)
+    probs = jax.nn.softmax(combined, axis=-1)
+    t = keys_BTK.shape[1]
+    out = jnp.einsum("bhst,btk->bshk", probs[..., :t].astype(keys_BTK.dtype), keys_BTK, precision=HI)
+    if sel_BSkK is not None:
+        k = sel_BSkK.shape[2]
+        out = out + jnp.einsum("bhsj,bsjk->bshk", probs[..., t:t + k].astype(sel_BSkK.dtype), sel_BSkK, precision=HI)
+    return out

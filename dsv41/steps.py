@@ -1,0 +1,138 @@
+"""Prefill and decode over the inference cache (DESIGN §6): pure functions, jitted, the cache donated.
+
+`prefill(params, cfg, cache, tokens [B, S], lengths [B])` appends each row's first `lengths[b]` tokens
+(the rest of the row is padding) to what the cache already holds — call it again for the next chunk —
+and returns the logits at each row's last new token. `decode(params, cfg, cache, next_tokens [B])`
+appends one token per row. The Engram hash ids are computed on the host (int64 NumPy) from the new
+tokens and the n-gram look-back kept in the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41 import engram_hash
+from dsv41 import model as model_lib
+from dsv41.cache import Cache, full_layers
+from dsv41.errors import ConfigError
+from dsv41.plan import layer_plan
+from dsv41.nn import mhc
+from dsv41.nn.attention_cache import attention_step
+
+
+def capacity(cfg, cache: Cache) -> int:
+    """The number of tokens a cache row can hold."""
+    rec = next(r for r in layer_plan(cfg) if r.stores_entries)
+    return cache.compressed[0].entries.shape[1] * rec.ratio
+
+
+def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None):
+    """Appends tokens [B, S] (row b: its first lengths[b]) to the cache: (logits [B, V] fp32, cache)."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] == 0:
+        raise ValueError(f"tokens: shape {tokens.shape}: expected [batch, seq] with seq >= 1")
+    b, s = tokens.shape
+    counts = np.full((b,), s, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+    if counts.shape != (b,) or (counts < 0).any() or (counts > s).any():
+        raise ValueError(f"lengths: {counts.tolist()}: expected {b} counts in 0..{s}")
+    vocab = cfg.architecture.vocab_size
+    live = np.arange(s)[None, :] < counts[:, None]
+    if ((tokens < 0) | (tokens >= vocab))[live].any():
+        bad = tokens[live & ((tokens < 0) | (tokens >= vocab))]
+        raise ValueError(f"tokens: ids {sorted(set(bad.tolist()))[:8]}: expected 0..{vocab - 1}")
+    if cfg.quant != "qat":
+        raise ConfigError("quant", cfg.quant, "expected 'qat': the cache stores the quantised formats")
+    held = np.asarray(cache.lengths)
+    cap = capacity(cfg, cache)
+    if (held + counts > cap).any():
+        row = int(np.argmax(held + counts > cap))
+        raise ValueError(f"row {row}: {int(held[row])} cached + {int(counts[row])} new tokens exceed the cache's "
+                         f"capacity of {cap} tokens (maximum context length {min(cap, cfg.context_window)})")
+    tokens = np.where(live, tokens, 0)
+    ids, recent = _engram(cfg, cache, tokens, counts, held, token_map)
+    logits, cache = _step(model_lib.config_key(cfg), params, cache, jnp.asarray(tokens, jnp.int32),
+                          jnp.asarray(counts), ids)
+    if recent is not None:
+        cache = dataclasses.replace(cache, recent_tokens=jnp.asarray(recent, jnp.int32))
+    return logits, cache
+
+
+def decode(params, cfg, cache: Cache, next_tokens, *, token_map=None):
+    """Appends one token per row: next_tokens [B] -> (logits [B, V] fp32, cache)."""
+    next_tokens = np.asarray(next_tokens)
+    if next_tokens.ndim != 1:
+        raise ValueError(f"next_tokens: shape {next_tokens.shape}: expected [batch]")
+    return prefill(params, cfg, cache, next_tokens[:, None], token_map=token_map)
+
+
+def _engram(cfg, cache, tokens, counts, held, token_map):
+    e = cfg.architecture.engram
+    if not list(e.layers):
+        return None, None
+    if token_map is None:
+        token_map, _ = engram_hash.identity_token_map(cfg.architecture.vocab_size)
+    layout = engram_hash.EngramLayout.from_config(cfg)
+    look = e.max_ngram - 1
+    recent = np.asarray(cache.recent_tokens)
+    ids, new_recent = [], np.full_like(recent, -1)
+    for row in range(tokens.shape[0]):
+        h = min(look, int(held[row]))
+        history = recent[row, look - h:][None]
+        ids.append(engram_hash.hash_ids(layout, token_map, e.pad_id, tokens[row:row + 1],
+                                        int(held[row]) + np.arange(tokens.shape[1]), history=history))
+        seen = np.concatenate([recent[row, look - h:], tokens[row, :counts[row]]])[-look:]
+        new_recent[row, look - len(seen):] = seen
+    return jnp.asarray(np.concatenate(ids), jnp.int32), new_recent
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _step(key, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
+    model = nnx.merge(model_lib._graphdef(key), params)
+    (logits, cache), _ = nnx.capture(_run, nnx.Intermediate)(model, model_lib._config(key), cache, tokens_BS,
+                                                            counts_B, engram_ids_BSLC)
+    return logits, cache
+
+
+def _run(model, cfg, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
+    b, s = tokens_BS.shape
+    lengths = cache.lengths
+    positions = lengths[:, None] + jnp.arange(s, dtype=jnp.int32)
+    valid = jnp.arange(s) < counts_B[:, None]
+    stores = dict(zip(full_layers(cfg), cache.compressed))
+    published: dict = {}
+    x = jnp.take(model.embed[...], tokens_BS, axis=0)
+    x_BSND = jnp.broadcast_to(x[:, :, None, :], (b, s, model.streams, x.shape[-1]))
+    pre = jax.nn.one_hot(jnp.zeros((b, s), jnp.int32), model.streams, dtype=jnp.float32)
+    rings_v, rings_s = [], []
+    for i, block in enumerate(model.layers):
+        if block.engram is not None:
+            x_BSND = block.engram(x_BSND, engram_ids_BSLC[:, :, model.engram_layers.index(i)])
+        attn_pre, post, comb = block.hc_attn.mixes(x_BSND)
+        h = block.attn_norm(mhc.collapse(x_BSND, pre))
+        y, (rv, rs) = attention_step(block.attn, h, positions, valid, lengths,
+                                     (cache.window[i], cache.window_scales[i]), published, stores)
+        rings_v.append(rv)
+        rings_s.append(rs)
+        x_BSND = mhc.expand(y, x_BSND, post, comb)
+        ffn_pre, post, comb = block.hc_ffn.mixes(x_BSND)
+        y = block.ffn(block.ffn_norm(mhc.collapse(x_BSND, attn_pre)))
+        x_BSND, pre = mhc.expand(y, x_BSND, post, comb), ffn_pre
+    last = jnp.maximum(counts_B - 1, 0)
+    rows = jnp.arange(b)
+    h = model.norm(mhc.collapse(x_BSND[rows, last][:, None], pre[rows, last][:, None]))[:, 0]
+    logits = model.head(h).astype(jnp.float32)
+    pool = cache.pool_blocks
+    sources = [r.candidate_source for r in layer_plan(cfg) if r.candidate_source is not None]
+    if sources:
+        chosen = published[sources[0]]["pool_ids"][rows, last]
+        pool = jnp.where((counts_B > 0)[:, None], chosen, pool)
+    cache = Cache(lengths=lengths + counts_B, window=jnp.stack(rings_v), window_scales=jnp.stack(rings_s),
+                  compressed=tuple(stores[i] for i in full_layers(cfg)), pool_blocks=pool,
+                  recent_tokens=cache.recent_tokens)
+    return logits, cache

@@ -1,0 +1,40 @@
+"""Reindex layers score only the gathered candidate pool: their decode cost does not grow with the
+context (XLA cost analysis of the compiled decode step, at reduced width), while the candidate source
+(layer 20's counterpart, which scores every entry) grows linearly."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import dsv41
+from dsv41 import cache as cache_lib
+from dsv41 import model, steps
+
+LONG = ["context_window=131072", "architecture.rope.max_position=131072"]
+DECODER = {
+    2: '[{"size":2,"modes":["full","reuse"]},{"size":2,"modes":["reindex","reuse"]},{"size":2,"modes":["reindex","reuse"]}]',
+    1: '[{"size":2,"modes":["full","reuse"]},{"size":2,"modes":["reindex","reuse"]},{"size":2,"modes":["reuse","reuse"]}]',
+    0: '[{"size":6,"modes":["full","reuse","reuse","reuse","reuse","reuse"]}]',
+}
+
+
+def decode_flops(reindex_layers: int, context: int) -> float:
+    cfg = dsv41.load_config("tiny", overrides=LONG + [f"csa2.decoder.groups={DECODER[reindex_layers]}"])
+    params = model.abstract_params(cfg)
+    cache = jax.eval_shape(lambda: cache_lib.init_cache(cfg, 1, context))
+    compiled = steps._step.lower(model.config_key(cfg), params, cache, jax.ShapeDtypeStruct((1, 1), jnp.int32),
+                                 jax.ShapeDtypeStruct((1,), jnp.int32), None).compile()
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+@pytest.mark.slow
+def test_reindex_flops_are_flat_and_the_source_grows():
+    flops = {(n, t): decode_flops(n, t) for n in (0, 1, 2) for t in (4096, 131072)}
+    reindex = {t: flops[2, t] - flops[1, t] for t in (4096, 131072)}  # one Reindex layer
+    assert reindex[4096] > 0
+    assert abs(reindex[131072] / reindex[4096] - 1) < 0.01, reindex
+    # The pool (built by the candidate source over all its entries) and the whole step grow with the context.
+    pool = {t: flops[1, t] - flops[0, t] - reindex[t] for t in (4096, 131072)}
+    assert pool[131072] > 4 * pool[4096], pool
+    assert flops[0, 131072] > 10 * flops[0, 4096]

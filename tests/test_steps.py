@@ -1,0 +1,95 @@
+"""The inference cache and the prefill / decode steps against the port's vectors and the accounting."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import dsv41
+from dsv41 import cache as cache_lib
+from dsv41 import steps, transformers_io
+from conftest import DATA
+
+TOL = 1e-5  # the port's vectors (its own paths agree to ~3e-7; rounding-level flips at hard thresholds aside)
+
+
+@pytest.fixture(scope="module", params=["A", "B"])
+def port(request):
+    d = np.load(DATA / f"v41_port_case{request.param}.npz", allow_pickle=False)
+    cfg = transformers_io.config_from_transformers(json.loads(str(d["config_json"][0])))
+    params = transformers_io.params_from_transformers({n: d[n] for n in d["param_names"]}, cfg)
+    token_map = d["engram_token_map"] if "engram_token_map" in d else None
+    return d, cfg, params, token_map
+
+
+def test_cache_bytes_equal_the_accounting_at_toy_size():
+    cfg = dsv41.load_config("tiny")
+    c = cache_lib.init_cache(cfg, batch=3, max_len=512)
+    per_token = 2 * (32 + 4 + 16 + 1) / 2 + (32 + 4 + 16 + 1)  # Full layers 2, 4 (ratio 2) and 6 (ratio 1)
+    fixed = 12 * 16 * (64 + 2) + 2 * 1 * 2 * 64 * 4 + 4 * 4 + 4  # rings, leftovers, pool, length
+    assert cache_lib.nbytes(c) == 3 * (per_token * 512 + fixed) == cache_lib.expected_bytes(cfg, 3, 512)["total"]
+
+
+def test_cache_bytes_at_full_size_with_a_million_tokens():
+    cfg = dsv41.load_config("v41_flash")
+    shapes = jax.eval_shape(lambda: cache_lib.init_cache(cfg, batch=1, max_len=1_000_000))
+    fixed = 40 * 128 * 528 + 3 * 1 * 2 * 512 * 4 + 2048 * 4 + 4 + 3 * 4
+    assert cache_lib.nbytes(shapes) == 890 * 1_000_000 + fixed == cache_lib.expected_bytes(cfg, 1, 1_000_000)["total"]
+
+
+def test_capacity_errors():
+    cfg = dsv41.load_config("tiny")
+    with pytest.raises(dsv41.ConfigError, match="multiple of 2"):
+        cache_lib.init_cache(cfg, 1, 33)
+    with pytest.raises(dsv41.ConfigError, match="maximum context length"):
+        cache_lib.init_cache(cfg, 1, 1024)
+
+
+def test_decode_after_prefill_matches_the_port(port):
+    d, cfg, params, token_map = port
+    ids = d["input_ids"]
+    c = cache_lib.init_cache(cfg, 1, 256)
+    logits, c = steps.prefill(params, cfg, c, ids[:, :195], token_map=token_map)
+    errors = [np.abs(np.asarray(logits)[0] - d["logits_prefill"][0, 194]).max()]
+    for k, pos in enumerate(d["decode_positions"]):
+        logits, c = steps.decode(params, cfg, c, ids[:, pos], token_map=token_map)
+        errors.append(np.abs(np.asarray(logits)[0] - d["logits_decode"][k]).max())
+    assert max(errors) < TOL, errors
+    assert int(c.lengths[0]) == 203
+
+
+def test_rows_of_different_lengths_in_chunks(port):
+    """Two rows (203 and 150 tokens: prefixes of the port's sequence, so the port's one-shot logits
+    are the reference for both) prefilled in uneven chunks, then decoded: window wrap, several pool
+    blocks, top-k saturation and half-filled compression groups at every boundary."""
+    d, cfg, params, token_map = port
+    ids = d["input_ids"][0]
+    ref = d["logits_prefill"][0]
+    c = cache_lib.init_cache(cfg, 2, 256)
+    tokens = np.stack([ids[:128], ids[:128]])
+    logits, c = steps.prefill(params, cfg, c, tokens[:, :97], lengths=[97, 61], token_map=token_map)
+    errors = [np.abs(np.asarray(logits) - ref[[96, 60]]).max()]
+    rest = np.zeros((2, 100), np.int64)
+    rest[0, :100] = ids[97:197]
+    rest[1, :88] = ids[61:149]
+    logits, c = steps.prefill(params, cfg, c, rest, lengths=[100, 88], token_map=token_map)
+    errors.append(np.abs(np.asarray(logits) - ref[[196, 148]]).max())
+    for step in range(6):
+        logits, c = steps.decode(params, cfg, c, [ids[197 + step], ids[149]] if step == 0 else
+                                 [ids[197 + step], 0], token_map=token_map)
+        errors.append(np.abs(np.asarray(logits)[0] - ref[197 + step]).max())
+        if step == 0:
+            errors.append(np.abs(np.asarray(logits)[1] - ref[149]).max())
+    assert max(errors) < TOL, errors
+    assert c.lengths.tolist() == [203, 155]
+
+
+def test_prompt_beyond_the_cache_is_refused():
+    cfg = dsv41.load_config("tiny")
+    params = dsv41.init_params(cfg, jax.random.key(0))
+    c = cache_lib.init_cache(cfg, 1, 64)
+    with pytest.raises(ValueError, match="maximum context length"):
+        steps.prefill(params, cfg, c, np.zeros((1, 65), np.int32))
+    with pytest.raises(ValueError, match="expected 0..255"):
+        steps.prefill(params, cfg, c, np.full((1, 4), 300))
