@@ -9,6 +9,9 @@ from dsv41.plan import LayerRecord, layer_plan
 _LAZY = {
     "init_params": "dsv41.model",
     "forward": "dsv41.model",
+    "init_cache": "dsv41.cache",
+    "prefill": "dsv41.steps",
+    "decode": "dsv41.steps",
     "config_from_transformers": "dsv41.transformers_io",
     "params_from_transformers": "dsv41.transformers_io",
 }
