@@ -112,7 +112,8 @@ def fixed_bytes_per_sequence(cfg) -> dict:
 
     window_rings: every layer's FP8 ring of `swa_window_size` rows; leftovers: the fp32 wkv·x and
     wgate·x of the (ratio − 1) tokens a ratio > 1 compressor may hold; pool: the int32 candidate
-    blocks of the last step; lengths: one int32; recent_tokens: the int32 Engram look-back.
+    blocks of the last step; lengths: one int32; window_starts: per layer, the first position its ring
+    holds (0, or the replay start after a CED prefill); recent_tokens: the int32 Engram look-back.
     """
     plan = layer_plan(cfg)
     a = cfg.architecture
@@ -124,6 +125,7 @@ def fixed_bytes_per_sequence(cfg) -> dict:
         "pool": int32 * cfg.csa2.indexer.hierarchical.max_blocks
         if any(r.candidate_source is not None for r in plan) else 0,
         "lengths": int32,
+        "window_starts": int32 * len(plan),
         "recent_tokens": int32 * (a.engram.max_ngram - 1) if list(a.engram.layers) else 0,
     }
     parts["total"] = sum(parts.values())

@@ -41,6 +41,7 @@ class Cache:
     window: jax.Array         # uint8 [L, B, W, K]     the bits of FP8 E4M3 values; slot p % W holds position p
     window_scales: jax.Array  # uint8 [L, B, W, K/32]  the bits of UE8M0 scales
     compressed: tuple         # CompressedKV per Full layer, in layer order
+    window_start: jax.Array   # int32 [L, B]          the first position each ring holds (CED replay start)
     pool_blocks: jax.Array    # int32 [B, max_blocks]  the candidate blocks of the last step (-1: none)
     recent_tokens: jax.Array  # int32 [B, max_ngram-1] the last tokens (Engram look-back), -1 before start
 
@@ -75,6 +76,7 @@ def _shapes(cfg, batch: int, max_len: int) -> dict:
         window=jax.ShapeDtypeStruct((len(plan), batch, w, k), jnp.uint8),
         window_scales=jax.ShapeDtypeStruct((len(plan), batch, w, k // quant.BLOCK[quant.FP8_UE8M0_32]), jnp.uint8),
         compressed=tuple(compressed),
+        window_start=jax.ShapeDtypeStruct((len(plan), batch), jnp.int32),
         pool_blocks=jax.ShapeDtypeStruct((batch, pool), jnp.int32),
         recent_tokens=jax.ShapeDtypeStruct((batch, a.engram.max_ngram - 1 if list(a.engram.layers) else 0),
                                            jnp.int32),

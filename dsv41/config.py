@@ -326,6 +326,7 @@ def _validate_common(cfg) -> None:
     _one_of(cfg, "quant", ("qat", "none"))
     _one_of(cfg, "runtime.param_dtype", ("float32", "bfloat16"))
     _one_of(cfg, "runtime.compute_dtype", ("float32", "bfloat16"))
+    _one_of(cfg, "runtime.prefill_schedule", ("full", "ced"))
     e = a.engram
     _positive(cfg, "architecture.engram.heads_per_ngram", "architecture.engram.row_dim",
               "architecture.engram.compressed_vocab_size", "architecture.engram.prime_floor")
@@ -414,6 +415,12 @@ def _validate_csa2(cfg) -> None:
                           f"expected at most the candidate pool size ({h.candidate_pool_size}): "
                           "Reindex layers choose their top-k inside the pool")
 
+    if cfg.runtime.prefill_schedule == "ced":
+        decoder_modes = [m for g in cfg.csa2.decoder.groups for m in g["modes"]]
+        if decoder_modes.count("full") != 1 or decoder_modes[0] != "full":
+            raise ConfigError("runtime.prefill_schedule", "ced",
+                              "expected a decoder whose only Full layer comes first: its global KV is computed "
+                              "from the encoder output, the rest of the decoder only fills window rings")
     window = cfg.kv_cache.swa_window_size
     for key in ("encoder_replay_tokens", "decoder_replay_tokens"):
         value = cfg.swa_bounded_replay[key]

@@ -88,8 +88,10 @@ _V41 = {
     # Fake quantisation of the stored formats (DESIGN §3.8): "qat" is the model; "none" only for
     # comparisons and for parity with references that skip it.
     "quant": "qat",
-    # The dtype policy (dsv41.nn.policy).
-    "runtime": {"param_dtype": "float32", "compute_dtype": "float32"},
+    # The dtype policy (dsv41.nn.policy) and the prefill schedule (DESIGN §3.5): "full" runs every
+    # prompt token through every layer (exact); "ced" runs them through the encoder and the decoder's
+    # KV projections, and only the last decoder_replay_tokens through the decoder.
+    "runtime": {"param_dtype": "float32", "compute_dtype": "float32", "prefill_schedule": "full"},
     # Model dimensions (DESIGN §2): the block the user schema does not have.
     "architecture": {
         "family": V41,

@@ -23,7 +23,7 @@ from dsv41.cache import Cache, full_layers
 from dsv41.errors import ConfigError
 from dsv41.plan import layer_plan
 from dsv41.nn import mhc
-from dsv41.nn.attention_cache import attention_step
+from dsv41.nn.attention_cache import attention_step, write_entries
 
 
 def capacity(cfg, cache: Cache) -> int:
@@ -32,8 +32,14 @@ def capacity(cfg, cache: Cache) -> int:
     return cache.compressed[0].entries.shape[1] * rec.ratio
 
 
-def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None):
-    """Appends tokens [B, S] (row b: its first lengths[b]) to the cache: (logits [B, V] fp32, cache)."""
+def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, final: bool = True):
+    """Appends tokens [B, S] (row b: its first lengths[b]) to the cache: (logits [B, V] fp32, cache).
+
+    With `runtime.prefill_schedule = "ced"` (DESIGN §3.5) the tokens run through the encoder and the
+    decoder's KV projections; on the `final` chunk of a prompt its last `decoder_replay_tokens` also run
+    through the decoder, their windows truncated to the replayed span, and give the logits (on other
+    chunks the returned logits are None).
+    """
     tokens = np.asarray(tokens)
     if tokens.ndim != 2 or tokens.shape[1] == 0:
         raise ValueError(f"tokens: shape {tokens.shape}: expected [batch, seq] with seq >= 1")
@@ -56,8 +62,12 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None):
                          f"capacity of {cap} tokens (maximum context length {min(cap, cfg.context_window)})")
     tokens = np.where(live, tokens, 0)
     ids, recent = _engram(cfg, cache, tokens, counts, held, token_map)
-    logits, cache = _step(model_lib.config_key(cfg), params, cache, jnp.asarray(tokens, jnp.int32),
-                          jnp.asarray(counts), ids)
+    key = model_lib.config_key(cfg)
+    if cfg.runtime.prefill_schedule == "ced" and s > 1:
+        replay = min(cfg.swa_bounded_replay.decoder_replay_tokens, s) if final else 0
+        logits, cache = _ced(key, params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(counts), ids, replay)
+    else:
+        logits, cache = _step(key, params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(counts), ids)
     if recent is not None:
         cache = dataclasses.replace(cache, recent_tokens=jnp.asarray(recent, jnp.int32))
     return logits, cache
@@ -91,48 +101,114 @@ def _engram(cfg, cache, tokens, counts, held, token_map):
     return jnp.asarray(np.concatenate(ids), jnp.int32), new_recent
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _step(key, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
-    model = nnx.merge(model_lib._graphdef(key), params)
-    (logits, cache), _ = nnx.capture(_run, nnx.Intermediate)(model, model_lib._config(key), cache, tokens_BS,
-                                                            counts_B, engram_ids_BSLC)
-    return logits, cache
-
-
-def _run(model, cfg, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
-    b, s = tokens_BS.shape
-    lengths = cache.lengths
-    positions = lengths[:, None] + jnp.arange(s, dtype=jnp.int32)
-    valid = jnp.arange(s) < counts_B[:, None]
-    stores = dict(zip(full_layers(cfg), cache.compressed))
-    published: dict = {}
-    x = jnp.take(model.embed[...], tokens_BS, axis=0)
-    x_BSND = jnp.broadcast_to(x[:, :, None, :], (b, s, model.streams, x.shape[-1]))
-    pre = jax.nn.one_hot(jnp.zeros((b, s), jnp.int32), model.streams, dtype=jnp.float32)
-    rings_v, rings_s = [], []
-    for i, block in enumerate(model.layers):
+def _layers(model, blocks, x_BSND, pre, positions, valid, lengths, cache, published, stores, ids,
+            rings, starts, entries_ready=()):
+    """Runs `blocks` (layer indices) over the new tokens; rings/starts are updated in place (lists)."""
+    for i in blocks:
+        block = model.layers[i]
         if block.engram is not None:
-            x_BSND = block.engram(x_BSND, engram_ids_BSLC[:, :, model.engram_layers.index(i)])
+            x_BSND = block.engram(x_BSND, ids[:, :, model.engram_layers.index(i)])
         attn_pre, post, comb = block.hc_attn.mixes(x_BSND)
         h = block.attn_norm(mhc.collapse(x_BSND, pre))
-        y, (rv, rs) = attention_step(block.attn, h, positions, valid, lengths,
-                                     (cache.window[i], cache.window_scales[i]), published, stores)
-        rings_v.append(rv)
-        rings_s.append(rs)
+        y, rings[i] = attention_step(block.attn, h, positions, valid, lengths, rings[i], starts[i], published,
+                                     stores, entries_ready=i in entries_ready)
         x_BSND = mhc.expand(y, x_BSND, post, comb)
         ffn_pre, post, comb = block.hc_ffn.mixes(x_BSND)
         y = block.ffn(block.ffn_norm(mhc.collapse(x_BSND, attn_pre)))
         x_BSND, pre = mhc.expand(y, x_BSND, post, comb), ffn_pre
-    last = jnp.maximum(counts_B - 1, 0)
-    rows = jnp.arange(b)
+    return x_BSND, pre
+
+
+def _embed(model, tokens_BS):
+    b, s = tokens_BS.shape
+    x = jnp.take(model.embed[...], tokens_BS, axis=0)
+    x_BSND = jnp.broadcast_to(x[:, :, None, :], (b, s, model.streams, x.shape[-1]))
+    return x_BSND, jax.nn.one_hot(jnp.zeros((b, s), jnp.int32), model.streams, dtype=jnp.float32)
+
+
+def _head(model, x_BSND, pre, counts_B):
+    rows, last = jnp.arange(x_BSND.shape[0]), jnp.maximum(counts_B - 1, 0)
     h = model.norm(mhc.collapse(x_BSND[rows, last][:, None], pre[rows, last][:, None]))[:, 0]
-    logits = model.head(h).astype(jnp.float32)
+    return model.head(h).astype(jnp.float32)
+
+
+def _finish(cfg, cache, lengths, rings, starts, stores, published, counts_B):
     pool = cache.pool_blocks
     sources = [r.candidate_source for r in layer_plan(cfg) if r.candidate_source is not None]
-    if sources:
-        chosen = published[sources[0]]["pool_ids"][rows, last]
-        pool = jnp.where((counts_B > 0)[:, None], chosen, pool)
-    cache = Cache(lengths=lengths + counts_B, window=jnp.stack(rings_v), window_scales=jnp.stack(rings_s),
-                  compressed=tuple(stores[i] for i in full_layers(cfg)), pool_blocks=pool,
-                  recent_tokens=cache.recent_tokens)
-    return logits, cache
+    if sources and sources[0] in published:
+        rows, last = jnp.arange(counts_B.shape[0]), jnp.maximum(counts_B - 1, 0)
+        pool = jnp.where((counts_B > 0)[:, None], published[sources[0]]["pool_ids"][rows, last], pool)
+    return Cache(lengths=lengths, window=jnp.stack([r[0] for r in rings]),
+                 window_scales=jnp.stack([r[1] for r in rings]),
+                 compressed=tuple(stores[i] for i in full_layers(cfg)), window_start=jnp.stack(starts),
+                 pool_blocks=pool, recent_tokens=cache.recent_tokens)
+
+
+def _state(cfg, cache):
+    rings = [(cache.window[i], cache.window_scales[i]) for i in range(cache.window.shape[0])]
+    return rings, [cache.window_start[i] for i in range(cache.window.shape[0])], \
+        dict(zip(full_layers(cfg), cache.compressed))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _step(key, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
+    """Every layer over the new tokens (the `full` schedule, and every decode step)."""
+    model = nnx.merge(model_lib._graphdef(key), params)
+    cfg = model_lib._config(key)
+
+    def run(model):
+        s = tokens_BS.shape[1]
+        positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)
+        valid = jnp.arange(s) < counts_B[:, None]
+        rings, starts, stores = _state(cfg, cache)
+        published: dict = {}
+        x, pre = _embed(model, tokens_BS)
+        x, pre = _layers(model, range(len(model.layers)), x, pre, positions, valid, cache.lengths, cache, published,
+                         stores, engram_ids_BSLC, rings, starts)
+        return _head(model, x, pre, counts_B), _finish(cfg, cache, cache.lengths + counts_B, rings, starts, stores,
+                                                       published, counts_B)
+
+    return nnx.capture(run, nnx.Intermediate)(model)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
+def _ced(key, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC, replay: int):
+    """The CED schedule (DESIGN §3.5): encoder + the decoder source's KV for every token; then the last
+    `replay` tokens of each row through the decoder, with windows truncated to the replayed span."""
+    model = nnx.merge(model_lib._graphdef(key), params)
+    cfg = model_lib._config(key)
+    plan = layer_plan(cfg)
+    encoder = [r.index for r in plan if r.stage == "encoder"]
+    decoder = [r.index for r in plan if r.stage == "decoder"]
+    source = decoder[0]  # validated: the decoder's only Full layer, first
+
+    def run(model):
+        b, s = tokens_BS.shape
+        positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)
+        valid = jnp.arange(s) < counts_B[:, None]
+        rings, starts, stores = _state(cfg, cache)
+        published: dict = {}
+        x, pre = _embed(model, tokens_BS)
+        x, pre = _layers(model, encoder, x, pre, positions, valid, cache.lengths, cache, published, stores,
+                         engram_ids_BSLC, rings, starts)
+        block = model.layers[source]
+        h = block.attn_norm(mhc.collapse(x, pre))
+        write_entries(block.attn, h, cache.lengths, counts_B, stores)
+        new_len = cache.lengths + counts_B
+        if not replay:
+            return None, _finish(cfg, cache, new_len, rings, starts, stores, published, counts_B)
+        # Each row's last `replay` tokens (fewer if the row brought fewer), left-aligned.
+        n = jnp.minimum(counts_B, replay)
+        first = counts_B - n
+        idx = jnp.clip(first[:, None] + jnp.arange(replay), 0, s - 1)
+        rows = jnp.arange(b)[:, None]
+        replay_valid = jnp.arange(replay) < n[:, None]
+        start = cache.lengths + first
+        for i in decoder:
+            starts[i] = jnp.where(n > 0, start, starts[i])
+        ids = None if engram_ids_BSLC is None else engram_ids_BSLC[rows, idx]
+        x, pre = _layers(model, decoder, x[rows, idx], pre[rows, idx], positions[rows, idx], replay_valid, start,
+                         cache, published, stores, ids, rings, starts, entries_ready=(source,))
+        return _head(model, x, pre, n), _finish(cfg, cache, new_len, rings, starts, stores, published, n)
+
+    return nnx.capture(run, nnx.Intermediate)(model)[0]

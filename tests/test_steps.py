@@ -27,14 +27,14 @@ def test_cache_bytes_equal_the_accounting_at_toy_size():
     cfg = dsv41.load_config("tiny")
     c = cache_lib.init_cache(cfg, batch=3, max_len=512)
     per_token = 2 * (32 + 4 + 16 + 1) / 2 + (32 + 4 + 16 + 1)  # Full layers 2, 4 (ratio 2) and 6 (ratio 1)
-    fixed = 12 * 16 * (64 + 2) + 2 * 1 * 2 * 64 * 4 + 4 * 4 + 4  # rings, leftovers, pool, length
+    fixed = 12 * 16 * (64 + 2) + 2 * 1 * 2 * 64 * 4 + 4 * 4 + 4 + 12 * 4  # rings, leftovers, pool, length, starts
     assert cache_lib.nbytes(c) == 3 * (per_token * 512 + fixed) == cache_lib.expected_bytes(cfg, 3, 512)["total"]
 
 
 def test_cache_bytes_at_full_size_with_a_million_tokens():
     cfg = dsv41.load_config("v41_flash")
     shapes = jax.eval_shape(lambda: cache_lib.init_cache(cfg, batch=1, max_len=1_000_000))
-    fixed = 40 * 128 * 528 + 3 * 1 * 2 * 512 * 4 + 2048 * 4 + 4 + 3 * 4
+    fixed = 40 * 128 * 528 + 3 * 1 * 2 * 512 * 4 + 2048 * 4 + 4 + 3 * 4 + 40 * 4
     assert cache_lib.nbytes(shapes) == 890 * 1_000_000 + fixed == cache_lib.expected_bytes(cfg, 1, 1_000_000)["total"]
 
 
@@ -93,3 +93,37 @@ def test_prompt_beyond_the_cache_is_refused():
         steps.prefill(params, cfg, c, np.zeros((1, 65), np.int32))
     with pytest.raises(ValueError, match="expected 0..255"):
         steps.prefill(params, cfg, c, np.full((1, 4), 300))
+
+
+def test_ced_equals_full_when_the_replay_covers_the_prompt(port):
+    """CED (DESIGN §3.5) is exact when every prompt token is replayed through the decoder."""
+    d, cfg, params, token_map = port
+    ced = dsv41.config.build(cfg.to_dict(), ["runtime.prefill_schedule=ced"])
+    replay = ced.swa_bounded_replay.decoder_replay_tokens
+    ids = d["input_ids"]
+    c = cache_lib.init_cache(ced, 1, 256)
+    logits, c = steps.prefill(params, ced, c, ids[:, :replay], token_map=token_map)
+    errors = [np.abs(np.asarray(logits)[0] - d["logits_prefill"][0, replay - 1]).max()]
+    for pos in range(replay, replay + 4):
+        logits, c = steps.decode(params, ced, c, ids[:, pos], token_map=token_map)
+        errors.append(np.abs(np.asarray(logits)[0] - d["logits_prefill"][0, pos]).max())
+    assert max(errors) < TOL, errors
+
+
+def test_ced_truncates_decoder_windows_to_the_replay(port):
+    d, cfg, params, token_map = port
+    ced = dsv41.config.build(cfg.to_dict(), ["runtime.prefill_schedule=ced"])
+    replay = ced.swa_bounded_replay.decoder_replay_tokens
+    c = cache_lib.init_cache(ced, 1, 256)
+    logits, c = steps.prefill(params, ced, c, d["input_ids"][:, :195], token_map=token_map)
+    plan = dsv41.layer_plan(ced)
+    assert c.window_start[:, 0].tolist() == [195 - replay if r.stage == "decoder" else 0 for r in plan]
+    assert np.isfinite(np.asarray(logits)).all()
+    assert int(c.lengths[0]) == 195
+
+
+def test_ced_needs_one_full_decoder_layer_first(v41_raw, write_config):
+    v41_raw["runtime"] = {"prefill_schedule": "ced"}
+    v41_raw["csa2"]["decoder"]["groups"][1]["modes"][0] = "full"
+    with pytest.raises(dsv41.ConfigError, match="only Full layer comes first"):
+        dsv41.load_config(write_config(v41_raw))

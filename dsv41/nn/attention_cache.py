@@ -104,9 +104,12 @@ def pool_gather_scores(q_BSJd, w_BSJ, store: CompressedKV, block_ids_BSn, block:
     return scores, jnp.where(ok, entry, -1)
 
 
-def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, published: dict, stores: dict):
-    """One layer over the cache. `ring` = (values [B,W,K], scales [B,W,K/32]) of this layer; `stores`
-    maps Full layers to their CompressedKV (updated in place in the dict). Returns (y [B,S,D], ring)."""
+def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_start_B, published: dict,
+                   stores: dict, entries_ready: bool = False):
+    """One layer over the cache. `ring` = (values [B,W,K], scales [B,W,K/32]) of this layer, holding
+    positions >= window_start; `stores` maps Full layers to their CompressedKV (updated in place in the
+    dict); `entries_ready`: the compressor already wrote these tokens' entries (a CED replay).
+    Returns (y [B,S,D], ring)."""
     rec = attn.record
     b, s, _ = x_BSD.shape
     counts = valid_BS.sum(-1).astype(jnp.int32)
@@ -122,7 +125,7 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, publish
     ring_pos = ring_positions(lengths_B, attn.window)
     keys_w = jnp.concatenate([dequant_window(ring_vals, ring_scales).astype(kv.dtype), kv], axis=1)
     key_pos = jnp.concatenate([ring_pos, positions_BS], axis=1)
-    key_ok = jnp.concatenate([ring_pos >= 0, valid_BS], axis=1)
+    key_ok = jnp.concatenate([ring_pos >= jnp.maximum(window_start_B, 0)[:, None], valid_BS], axis=1)
     delta = positions_BS[:, :, None] - key_pos[:, None, :]
     mask_w = key_ok[:, None, :] & (delta >= 0) & (delta < attn.window)
     keep = valid_BS & (positions_BS >= new_len[:, None] - attn.window)
@@ -131,7 +134,7 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, publish
 
     sel = sel_ok = None
     if rec.ratio:
-        _publish_step(attn, x_BSD, qr, positions_BS, valid_BS, lengths_B, counts, published, stores)
+        _publish_step(attn, x_BSD, qr, positions_BS, valid_BS, lengths_B, counts, published, stores, entries_ready)
         store = stores[rec.kv_source]
         picks = published[rec.index_source]["picks"]                      # [B, S, k]
         sel = dequant_entries(gather_rows(store.entries, picks), gather_rows(store.entry_scales, picks))
@@ -143,23 +146,37 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, publish
     return attn.wo_b(y.reshape(b, s, -1)), ring
 
 
-def _publish_step(attn, x_BSD, qr_BSQ, positions_BS, valid_BS, lengths_B, counts_B, published, stores):
+def _publish_step(attn, x_BSD, qr_BSQ, positions_BS, valid_BS, lengths_B, counts_B, published, stores,
+                  entries_ready=False):
     rec = attn.record
-    cinv = np.asarray(attn.compressed_inv_freq, np.float32)
-    if rec.stores_entries:
-        store = stores[rec.index]
-        latent, entry, done, leftover = compress_step(attn.compressor, x_BSD, lengths_B, counts_B, store.leftover)
-        pos = rec.ratio * entry
-        vals, scales = quant.quantize_fp4_e4m3_16(apply_rope(latent, pos, cinv))
-        kvals, kscales = quant.quantize_mxfp4(apply_rope(attn.indexer.k_norm(attn.indexer.wk(latent)), pos, cinv))
-        stores[rec.index] = CompressedKV(
-            entries=write_rows(store.entries, quant.pack_fp4(vals), entry, done),
-            entry_scales=write_rows(store.entry_scales, quant.to_bytes(scales), entry, done),
-            index_keys=write_rows(store.index_keys, quant.pack_fp4(kvals), entry, done),
-            index_scales=write_rows(store.index_scales, quant.to_bytes(kscales), entry, done),
-            leftover=leftover)
+    if rec.stores_entries and not entries_ready:
+        write_entries(attn, x_BSD, lengths_B, counts_B, stores)
     if attn.indexer is None:
         return
+    _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores)
+
+
+def write_entries(attn, x_BSD, lengths_B, counts_B, stores):
+    """A Full layer's compressor over the new tokens: completed entries and indexer keys into its store."""
+    rec = attn.record
+    cinv = np.asarray(attn.compressed_inv_freq, np.float32)
+    store = stores[rec.index]
+    latent, entry, done, leftover = compress_step(attn.compressor, x_BSD, lengths_B, counts_B, store.leftover)
+    pos = rec.ratio * entry
+    vals, scales = quant.quantize_fp4_e4m3_16(apply_rope(latent, pos, cinv))
+    kvals, kscales = quant.quantize_mxfp4(apply_rope(attn.indexer.k_norm(attn.indexer.wk(latent)), pos, cinv))
+    stores[rec.index] = CompressedKV(
+        entries=write_rows(store.entries, quant.pack_fp4(vals), entry, done),
+        entry_scales=write_rows(store.entry_scales, quant.to_bytes(scales), entry, done),
+        index_keys=write_rows(store.index_keys, quant.pack_fp4(kvals), entry, done),
+        index_scales=write_rows(store.index_scales, quant.to_bytes(kscales), entry, done),
+        leftover=leftover)
+
+
+def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
+    """An index source's picks (and the candidate pool, at the candidate source) for the new tokens."""
+    rec = attn.record
+    cinv = np.asarray(attn.compressed_inv_freq, np.float32)
     store = stores[rec.kv_source]
     b, s, _ = x_BSD.shape
     indexer = attn.indexer
