@@ -105,17 +105,13 @@ def _layers(model, blocks, x_BSND, pre, positions, valid, lengths, cache, publis
             rings, starts, entries_ready=()):
     """Runs `blocks` (layer indices) over the new tokens; rings/starts are updated in place (lists)."""
     for i in blocks:
-        block = model.layers[i]
-        if block.engram is not None:
-            x_BSND = block.engram(x_BSND, ids[:, :, model.engram_layers.index(i)])
-        attn_pre, post, comb = block.hc_attn.mixes(x_BSND)
-        h = block.attn_norm(mhc.collapse(x_BSND, pre))
-        y, rings[i] = attention_step(block.attn, h, positions, valid, lengths, rings[i], starts[i], published,
-                                     stores, entries_ready=i in entries_ready)
-        x_BSND = mhc.expand(y, x_BSND, post, comb)
-        ffn_pre, post, comb = block.hc_ffn.mixes(x_BSND)
-        y = block.ffn(block.ffn_norm(mhc.collapse(x_BSND, attn_pre)))
-        x_BSND, pre = mhc.expand(y, x_BSND, post, comb), ffn_pre
+        def attend(attn, h, i=i):
+            y, rings[i] = attention_step(attn, h, positions, valid, lengths, rings[i], starts[i], published, stores,
+                                         entries_ready=i in entries_ready)
+            return y
+
+        ids_i = None if model.layers[i].engram is None else ids[:, :, model.engram_layers.index(i)]
+        x_BSND, pre = model.layers[i](x_BSND, pre, attend, ids_i)
     return x_BSND, pre
 
 

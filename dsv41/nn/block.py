@@ -35,15 +35,17 @@ class Block(nnx.Module):
         self.ffn = MoE(d, m.num_experts, m.top_k, m.intermediate_size, m.num_shared_experts, m.route_scale,
                        m.swiglu_limit, a.vocab_size if hashed else 0, policy=policy, rngs=rngs)
 
-    def __call__(self, x_BSND, pre_BSN, positions_BS, published: dict, engram_ids_BSC=None, tokens_BS=None):
+    def __call__(self, x_BSND, pre_BSN, attend, engram_ids_BSC=None, tokens_BS=None):
         """Single-pass mHC: each site collapses with the previous site's `pre` and hands its own on.
-        Classic mHC (V4): each site collapses with its own `pre` (pre_BSN is not read)."""
+        Classic mHC (V4): each site collapses with its own `pre` (pre_BSN is not read).
+        `attend(attn, h)` runs the attention layer on its normalised input: over the whole sequence
+        (`forward`) or over the cache (`dsv41.steps`)."""
         if self.engram is not None:
             x_BSND = self.engram(x_BSND, engram_ids_BSC)
         attn_pre, post, comb = self.hc_attn.mixes(x_BSND)
         h = mhc.collapse(x_BSND, attn_pre if self.classic else pre_BSN)
         self.sow(nnx.Intermediate, "attn_input", h)
-        y = self.attn(self.attn_norm(h), positions_BS, published)
+        y = attend(self.attn, self.attn_norm(h))
         x_BSND = mhc.expand(y, x_BSND, post, comb)
         ffn_pre, post, comb = self.hc_ffn.mixes(x_BSND)
         y = self.ffn(self.ffn_norm(mhc.collapse(x_BSND, ffn_pre if self.classic else attn_pre)), tokens_BS)

@@ -44,6 +44,6 @@ class Transformer(nnx.Module):
             ids = None
             if layer.engram is not None:
                 ids = engram_ids_BSLC[:, :, self.engram_layers.index(layer.attn.record.index)]
-            x_BSND, pre = layer(x_BSND, pre, positions_BS, published, ids, tokens_BS)
+            x_BSND, pre = layer(x_BSND, pre, lambda attn, h: attn(h, positions_BS, published), ids, tokens_BS)
         h = self.norm(self.hc_head(x_BSND) if self.hc_head is not None else mhc.collapse(x_BSND, pre))
         return self.head(h).astype(jnp.float32)
