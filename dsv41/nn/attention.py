@@ -82,6 +82,7 @@ class Attention(nnx.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x_BSD)), positions_BS, inv_freq)
         if self.fake_quant:
             kv = quant.fake_quant(kv, quant.FP8_UE8M0_32)
+        self.sow(nnx.Intermediate, "window_kv", kv)
 
         keys, mask = kv, window_mask(positions_BS, positions_BS, self.window)
         if rec.ratio:
@@ -109,8 +110,10 @@ class Attention(nnx.Module):
             if self.fake_quant:
                 entries = quant.fake_quant(entries, quant.FP4_E4M3_16)
             published[rec.index] = {"entries": entries}
+            self.sow(nnx.Intermediate, "entries", entries)
             if self.indexer is not None and self.indexer.wk is not None:
                 published[rec.index]["index_keys"] = self.indexer.keys(latent, entry_pos, cinv, self.fake_quant)
+                self.sow(nnx.Intermediate, "index_keys", published[rec.index]["index_keys"])
         if self.indexer is None:
             return
         source = published[rec.kv_source]
