@@ -9,7 +9,6 @@ import sys
 
 from dsv41 import accounting, plan
 from dsv41.config import family, load_config
-from dsv41.errors import ConfigError
 
 REPORT_CONFIGS = ("deepseek_v1_67b", "deepseek_v32", "v4_flash", "v41_flash")
 BASELINE = "v41_flash"
@@ -106,6 +105,61 @@ def cmd_params(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    import time
+    from pathlib import Path
+
+    import jax
+    from tqdm import tqdm
+
+    from dsv41 import generate as generate_lib
+    from dsv41 import model, tokenizer as tokenizer_lib
+
+    cfg = load_config(args.config, args.set)
+    tok = tokenizer_lib.load_tokenizer(cfg, args.tokenizer)
+    if args.prompt_file is not None:
+        try:
+            text = Path(args.prompt_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ValueError(f"--prompt-file: {args.prompt_file!r}: expected a readable text file "
+                             f"({e.strerror})") from e
+    else:
+        text = args.prompt
+    prompt = tok.encode(text)
+    stop = [int(s) if s.lstrip("-").isdigit() else tok.token_id(s) for s in args.stop]
+    # vocab_limit: an untrained model draws the embedding's padding rows too, which the tokenizer cannot decode.
+    request = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   stop_tokens=stop, vocab_limit=tok.vocab_size)
+    generate_lib.check_request(cfg, [prompt], chunk=512, **request)  # before the slow part: bad input fails fast
+    params = model.init_params(cfg, jax.random.key(args.seed))
+
+    bar = tqdm(total=len(prompt), desc="prefill", unit="tok", file=sys.stderr, leave=False)
+    stream, times = tok.stream(), []
+
+    def on_prefill_progress(done, total):
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+
+    def on_token(token):
+        times.append(time.perf_counter())
+        sys.stdout.write(stream.step(token))
+        sys.stdout.flush()
+
+    start = time.perf_counter()
+    out = generate_lib.generate(params, cfg, prompt, seed=args.seed, on_token=on_token,
+                                on_prefill_progress=on_prefill_progress, **request)
+    end = time.perf_counter()
+    sys.stdout.write(stream.flush() + "\n")
+    sys.stdout.flush()
+    # The first decode step compiles: the rate counts the steps after it.
+    rate = f"{(len(times) - 2) / (times[-1] - times[1]):.1f} tokens/s" if len(times) > 2 else "n/a"
+    stopped = ", stopped at a stop token" if len(out) < args.max_new_tokens else ""
+    print(f"prompt {len(prompt)} tokens, generated {len(out)} tokens{stopped}, "
+          f"prefill {(times[0] if times else end) - start:.2f} s, decode {rate}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dsv41", description="DeepSeek-V4.1-Flash in JAX: configs, layer plan, KV accounting.",
@@ -127,6 +181,33 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="example: dsv41 kv-report --config tiny --set kv_cache.global_kv_dtype=fp8_e4m3")
     _add_config_args(p, default=None, repeat=True)
     p.set_defaults(func=cmd_kv_report)
+
+    p = sub.add_parser(
+        "generate", help="generate text from a prompt (random parameters from --seed until checkpoints exist)",
+        description="Streams the generated text to stdout; prefill progress and a summary (prompt and generated "
+                    "tokens, prefill seconds, decode tokens/s) go to stderr. Prefill seconds run to the first "
+                    "token and include compilation; the decode rate leaves out the first decode step, which "
+                    "compiles.",
+        epilog="example: dsv41 generate --config tiny --prompt 'Hello' --max-new-tokens 16 --temperature 0.8 "
+               "--top-p 0.95 --stop 10")
+    p.add_argument("--config", default="small", help="config name in configs/ or a .json/.toml/.py path "
+                                                     "(default: small)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set architecture.moe.top_k=1 (repeatable)")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text")
+    prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a UTF-8 text file")
+    p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json (default: UTF-8 bytes as ids 0..255)")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                   help="at most this many new tokens (default: 64)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass in (0, 1] (default: 1)")
+    p.add_argument("--stop", action="append", default=[], metavar="ID|TEXT",
+                   help="stop at this token, given as an id or as text that is one token; not printed "
+                        "(repeatable)")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seeds the parameters and the sampling (default: 0)")
+    p.set_defaults(func=cmd_generate)
     return parser
 
 
@@ -134,6 +215,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as e:
+    except ValueError as e:  # ConfigError and the generate arguments' errors: bad input, not a bug
         print(f"dsv41: error: {e}", file=sys.stderr)
         return 2

@@ -82,23 +82,30 @@ class IndexerV4(nnx.Module):
 
 
 def lightning_scores(q_BSJd, keys_BTd, w_BSJ, visible_BST):
-    """I[t, i] = Σ_j w[t, j]·J^-½ · relu(q[t, j] · k[i]) · dI^-½ in fp32, −inf where not visible."""
-    dots = jnp.einsum("bsjd,btd->bsjt", q_BSJd.astype(jnp.float32), keys_BTd.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
-    return _weigh(dots, q_BSJd.shape[-1], w_BSJ, visible_BST)
+    """I[t, i] = Σ_j w[t, j]·J^-½ · relu(q[t, j] · k[i]) · dI^-½ in fp32, −inf where not visible.
+
+    Accumulated one head at a time: the per-head scores [B, S, J, T] are never materialised."""
+    keys = keys_BTd.astype(jnp.float32)
+    return _accumulate(q_BSJd, w_BSJ, visible_BST, lambda q_BSd: jnp.einsum(
+        "bsd,btd->bst", q_BSd, keys, precision=jax.lax.Precision.HIGHEST))
 
 
 def lightning_scores_per_query(q_BSJd, keys_BSPd, w_BSJ, visible_BSP):
     """`lightning_scores` against keys gathered per query (the candidate pool): [B, S, P]."""
-    dots = jnp.einsum("bsjd,bspd->bsjp", q_BSJd.astype(jnp.float32), keys_BSPd.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
-    return _weigh(dots, q_BSJd.shape[-1], w_BSJ, visible_BSP)
+    keys = keys_BSPd.astype(jnp.float32)
+    return _accumulate(q_BSJd, w_BSJ, visible_BSP, lambda q_BSd: jnp.einsum(
+        "bsd,bspd->bsp", q_BSd, keys, precision=jax.lax.Precision.HIGHEST))
 
 
-def _weigh(dots_BSJT, head_dim: int, w_BSJ, visible_BST):
-    dots = jax.nn.relu(dots_BSJT) * head_dim ** -0.5
-    w = w_BSJ.astype(jnp.float32) * dots_BSJT.shape[2] ** -0.5
-    scores = jnp.sum(dots * w[..., None], axis=2)
+def _accumulate(q_BSJd, w_BSJ, visible_BST, dots):
+    heads, head_dim = q_BSJd.shape[-2:]
+    q = q_BSJd.astype(jnp.float32)
+    w = w_BSJ.astype(jnp.float32) * heads ** -0.5
+
+    def head(j, acc):
+        return acc + jax.nn.relu(dots(q[:, :, j])) * head_dim ** -0.5 * w[:, :, j, None]
+
+    scores = jax.lax.fori_loop(0, heads, head, jnp.zeros(visible_BST.shape, jnp.float32))
     return jnp.where(visible_BST, scores, NEG_INF)
 
 
