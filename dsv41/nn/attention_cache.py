@@ -126,8 +126,7 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_
     keys_w = jnp.concatenate([dequant_window(ring_vals, ring_scales).astype(kv.dtype), kv], axis=1)
     key_pos = jnp.concatenate([ring_pos, positions_BS], axis=1)
     key_ok = jnp.concatenate([ring_pos >= jnp.maximum(window_start_B, 0)[:, None], valid_BS], axis=1)
-    delta = positions_BS[:, :, None] - key_pos[:, None, :]
-    mask_w = key_ok[:, None, :] & (delta >= 0) & (delta < attn.window)
+    keys_w, mask_w = window_keys(keys_w, key_pos, key_ok, positions_BS, attn.window)
     keep = valid_BS & (positions_BS >= new_len[:, None] - attn.window)
     ring = (write_rows(ring_vals, quant.to_bytes(kv_vals), positions_BS % attn.window, keep),
             write_rows(ring_scales, quant.to_bytes(kv_scales), positions_BS % attn.window, keep))
@@ -207,10 +206,47 @@ def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
     mine["picks"] = ix.top_k_indices(scores, attn.top_k)
 
 
-def attend_step(q_BSHK, keys_BTK, mask_BST, sel_BSkK, sel_ok_BSk, sink_H, scale: float):
-    """One softmax with the sink over the window keys (shared by the chunk) and each query's own
-    selected entries; a row with nothing valid gives 0."""
-    logits = jnp.einsum("bshk,btk->bhst", q_BSHK, keys_BTK, preferred_element_type=jnp.float32, precision=HI) * scale
+def window_keys(keys_BTK, key_pos_BT, key_ok_BT, positions_BS, window: int):
+    """The window keys of S queries and their mask, from [ring (W) | new tokens (S)].
+
+    S < 2W: every query against all W + S keys ([B, W+S, K], mask [B, S, W+S]). Longer chunks are
+    banded: the queries of block n (W of them) only reach keys n·W … n·W + 2W − 1 of that list, so the
+    keys come as blocks [B, n, 2W, K] with a mask [B, n·W, 2W] — the cost grows as S·W, not S²."""
+    s = positions_BS.shape[1]
+    if s < 2 * window:
+        delta = positions_BS[:, :, None] - key_pos_BT[:, None, :]
+        return keys_BTK, key_ok_BT[:, None, :] & (delta >= 0) & (delta < window)
+    nb = -(-s // window)
+    pad = window + nb * window - keys_BTK.shape[1]
+    keys = jnp.pad(keys_BTK, [(0, 0), (0, pad), (0, 0)])
+    pos = jnp.pad(key_pos_BT, [(0, 0), (0, pad)], constant_values=-1)
+    ok = jnp.pad(key_ok_BT, [(0, 0), (0, pad)])
+
+    def blocks(x):
+        lo = x[:, : nb * window].reshape(x.shape[0], nb, window, *x.shape[2:])
+        hi = x[:, window: window + nb * window].reshape(x.shape[0], nb, window, *x.shape[2:])
+        return jnp.concatenate([lo, hi], axis=2)
+
+    qpos = jnp.pad(positions_BS, [(0, 0), (0, nb * window - s)], constant_values=-1).reshape(-1, nb, window)
+    delta = qpos[..., None] - blocks(pos)[:, :, None, :]
+    mask = blocks(ok)[:, :, None, :] & (delta >= 0) & (delta < window)
+    return blocks(keys), mask.reshape(mask.shape[0], nb * window, 2 * window)
+
+
+def attend_step(q_BSHK, keys_w, mask_w, sel_BSkK, sel_ok_BSk, sink_H, scale: float):
+    """One softmax with the sink over the window keys (shared by the chunk, or banded blocks from
+    `window_keys`) and each query's own selected entries; a row with nothing valid gives 0."""
+    b, s, h, k = q_BSHK.shape
+    banded = keys_w.ndim == 4
+    if banded:
+        nb, span = keys_w.shape[1], keys_w.shape[2]
+        qb = jnp.pad(q_BSHK, [(0, 0), (0, nb * (span // 2) - s), (0, 0), (0, 0)]).reshape(b, nb, span // 2, h, k)
+        logits = jnp.einsum("bnqhk,bntk->bhnqt", qb, keys_w, preferred_element_type=jnp.float32, precision=HI)
+        logits = logits.reshape(b, h, nb * (span // 2), span)[:, :, :s] * scale
+        mask_BST = mask_w[:, :s]
+    else:
+        logits = jnp.einsum("bshk,btk->bhst", q_BSHK, keys_w, preferred_element_type=jnp.float32, precision=HI) * scale
+        mask_BST = mask_w
     parts = [jnp.where(mask_BST[:, None], logits, NEG_INF)]
     if sel_BSkK is not None:
         lc = jnp.einsum("bshk,bsjk->bhsj", q_BSHK, sel_BSkK, preferred_element_type=jnp.float32, precision=HI) * scale
@@ -219,8 +255,13 @@ def attend_step(q_BSHK, keys_BTK, mask_BST, sel_BSkK, sel_ok_BSk, sink_H, scale:
     combined = jnp.concatenate(parts + [sink], axis=-1)
     combined = combined - jnp.max(combined, axis=-1, keepdims=True)
     probs = jax.nn.softmax(combined, axis=-1)
-    t = keys_BTK.shape[1]
-    out = jnp.einsum("bhst,btk->bshk", probs[..., :t].astype(keys_BTK.dtype), keys_BTK, precision=HI)
+    t = logits.shape[-1]
+    if banded:
+        p = jnp.pad(probs[..., :t], [(0, 0), (0, 0), (0, nb * (span // 2) - s), (0, 0)])
+        p = p.reshape(b, h, nb, span // 2, span).astype(keys_w.dtype)
+        out = jnp.einsum("bhnqt,bntk->bnqhk", p, keys_w, precision=HI).reshape(b, nb * (span // 2), h, k)[:, :s]
+    else:
+        out = jnp.einsum("bhst,btk->bshk", probs[..., :t].astype(keys_w.dtype), keys_w, precision=HI)
     if sel_BSkK is not None:
         k = sel_BSkK.shape[2]
         out = out + jnp.einsum("bhsj,bsjk->bshk", probs[..., t:t + k].astype(sel_BSkK.dtype), sel_BSkK, precision=HI)
