@@ -160,11 +160,32 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from dsv41 import demo
+
+    report = demo.run(args.config, args.prompt_tokens, args.new_tokens, args.chunk, args.seed,
+                      progress=lambda msg: print(f"\r{msg}", end="", file=sys.stderr, flush=True))
+    print(file=sys.stderr)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dsv41", description="DeepSeek-V4.1-Flash in JAX: configs, layer plan, KV accounting.",
         epilog="example: dsv41 kv-report --json")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="a long prompt through the compressed cache: bytes, prefill times, decode speed",
+                       epilog="example: dsv41 demo --config small --prompt-tokens 32768 --new-tokens 32")
+    p.add_argument("--config", default="small", help="config name or path (default: small)")
+    p.add_argument("--prompt-tokens", type=int, default=32768)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens per compiled call)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="also print the measurements as one JSON object")
+    p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("plan", help="print the per-layer plan of a config",
                        epilog="example: dsv41 plan --config v41_flash",
