@@ -73,7 +73,7 @@ def run(cfg_name: str, prompt_len: int, new_tokens: int, chunk: int, seed: int, 
         times.append(time.perf_counter() - t)
     steady = times[1:] or times
     report["decode_tokens_per_s"] = len(steady) / sum(steady)
-    report["generated"] = bytes(t for t in generated if t < 256).decode("utf-8", errors="replace")
+    report["generated_ids"] = generated
 
     _, _, report["prefill_ced_s"], report["prefill_ced_first_chunk_s"] = _prefill(
         params, ced, prompt, capacity, chunk, progress)
@@ -83,6 +83,6 @@ def run(cfg_name: str, prompt_len: int, new_tokens: int, chunk: int, seed: int, 
     out(f"  prefill full: {report['prefill_full_s']:.1f} s (first chunk incl. compile "
         f"{report['prefill_full_first_chunk_s']:.1f} s); ced: {report['prefill_ced_s']:.1f} s "
         f"(first chunk {report['prefill_ced_first_chunk_s']:.1f} s)")
-    out(f"  decode: {report['decode_tokens_per_s']:.1f} tokens/s over {new_tokens} greedy tokens: "
-        f"{report['generated']!r}")
+    out(f"  decode: {report['decode_tokens_per_s']:.1f} tokens/s over {new_tokens} greedy tokens "
+        f"(ids {generated[:12]}{' …' if len(generated) > 12 else ''})")
     return report
