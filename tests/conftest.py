@@ -23,3 +23,15 @@ def write_config(tmp_path):
         return path
 
     return write
+
+
+def load_port_case(case: str):
+    """(vectors, config, params, Engram token map or None) of the V4.1 port's case A or B."""
+    import numpy as np
+
+    from dsv41 import transformers_io
+
+    d = np.load(DATA / f"v41_port_case{case}.npz", allow_pickle=False)
+    cfg = transformers_io.config_from_transformers(json.loads(str(d["config_json"][0])))
+    params = transformers_io.params_from_transformers({n: d[n] for n in d["param_names"]}, cfg)
+    return d, cfg, params, (d["engram_token_map"] if "engram_token_map" in d else None)

@@ -1,26 +1,20 @@
 """The inference cache and the prefill / decode steps against the port's vectors and the accounting."""
 
-import json
-
 import jax
 import numpy as np
 import pytest
 
 import dsv41
 from dsv41 import cache as cache_lib
-from dsv41 import steps, transformers_io
-from conftest import DATA
+from dsv41 import steps
+from conftest import load_port_case
 
 TOL = 1e-5  # the port's vectors (its own paths agree to ~3e-7; rounding-level flips at hard thresholds aside)
 
 
 @pytest.fixture(scope="module", params=["A", "B"])
 def port(request):
-    d = np.load(DATA / f"v41_port_case{request.param}.npz", allow_pickle=False)
-    cfg = transformers_io.config_from_transformers(json.loads(str(d["config_json"][0])))
-    params = transformers_io.params_from_transformers({n: d[n] for n in d["param_names"]}, cfg)
-    token_map = d["engram_token_map"] if "engram_token_map" in d else None
-    return d, cfg, params, token_map
+    return load_port_case(request.param)
 
 
 def test_cache_bytes_equal_the_accounting_at_toy_size():

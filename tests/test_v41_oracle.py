@@ -2,25 +2,20 @@
 ../shared/oracle; README there). Compared in the README's order: Engram ids exactly, then the
 selections except where the stored margin is tiny, then the logits row by row."""
 
-import json
-
 import jax
 import numpy as np
 import pytest
 
 import dsv41
-from dsv41 import model, transformers_io
-from conftest import DATA
+from dsv41 import model
+from conftest import load_port_case
 
 LOGIT_TOL = 1e-5
 
 
 @pytest.fixture(scope="module", params=["A", "B"])
 def case(request):
-    d = np.load(DATA / f"v41_port_case{request.param}.npz", allow_pickle=False)
-    cfg = transformers_io.config_from_transformers(json.loads(str(d["config_json"][0])))
-    params = transformers_io.params_from_transformers({n: d[n] for n in d["param_names"]}, cfg)
-    token_map = d["engram_token_map"] if "engram_token_map" in d else None
+    d, cfg, params, token_map = load_port_case(request.param)
     ids = model.engram_ids(cfg, d["input_ids"], token_map)
     logits, inter = model.forward_with_intermediates(params, cfg, d["input_ids"], engram_ids_BSLC=ids)
     return {"d": d, "cfg": cfg, "ids": ids, "logits": np.asarray(logits),
