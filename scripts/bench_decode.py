@@ -242,6 +242,10 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int) -> dict
 
 
 def worker_main(args) -> None:
+    try:  # if the machine runs out of memory, let the kernel kill this measurement rather than a neighbour
+        Path("/proc/self/oom_score_adj").write_text("1000")
+    except OSError:
+        pass
     if args.impl == "hf-v4":
         out = worker_hf(args.ctx, args.decode_steps, args.seed, args.torch_threads)
     else:
@@ -337,7 +341,7 @@ def prefill_of(row: dict | None) -> tuple[float | None, str]:
 
 def prefill_cell(row: dict | None) -> str:
     v, kind = prefill_of(row)
-    if v is None:
+    if v is None or (kind == "lower" and row["status"] == "OOM"):
         return "-" if row is None else row["status"]
     return f"{v:.2f}" if kind == "exact" else f">{v:.0f}"
 
@@ -359,6 +363,10 @@ def prefill_speedup(d: dict | None, h: dict | None) -> str:
         return "-"
     if kd == kh == "exact":
         return fmt_ratio(vh / vd)
+    if kd == "exact" and h["status"] == "OOM":  # it never finishes: no bound worth printing
+        return "(OOM)"
+    if kh == "exact" and d["status"] == "OOM":
+        return "(OOM)"
     if kd == "exact":  # transformers took longer than vh
         return ">" + fmt_ratio(vh / vd)
     if kh == "exact":
@@ -461,7 +469,10 @@ def print_table(rows: list[dict], contexts: list[int], impls: list[str], hw: dic
                 notes.append(f"{impl} {fmt_context(ctx)}: {r['status']} after {r['wall_s']:.0f} s: prefilled {done} "
                              f"of {ctx} tokens in {el:.0f} s{est}")
             elif r["status"] in ("timeout", "OOM"):
-                notes.append(f"{impl} {fmt_context(ctx)}: {r['status']} after {r['wall_s']:.0f} s "
+                where = ("in the warm-up (compile + first chunk)" if "compile_s" not in r and r["impl"] != "hf-v4" else
+                         f"{r['prefill_lower_bound_s']:.0f} s into the prefill" if "prefill_lower_bound_s" in r else
+                         "in the decode" if "prefill_s" in r else "before the prefill")
+                notes.append(f"{impl} {fmt_context(ctx)}: {r['status']} after {r['wall_s']:.0f} s, {where} "
                              f"(peak {r['peak_gb']:.2f} GB)")
     for impl in [i for i in MATCHED if i in impls and "hf-v4" in impls]:
         print()
@@ -503,13 +514,16 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=1024, help="dsv41 prefill chunk in tokens (default 1024)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per measurement (default 300)")
     p.add_argument("--mem-limit-gb", type=float, default=None,
-                   help="kill a measurement above this RSS and report OOM (default 85%% of RAM)")
+                   help="kill a measurement above this RSS and report OOM (default: the smaller of 85%% of RAM\n"
+                        "and the memory available at the start less 1.5 GB)")
     p.add_argument("--no-skip", action="store_true",
                    help="run longer contexts of an implementation even after it ran out of memory or time")
     p.add_argument("--json", metavar="PATH", help="also write every measurement as JSON ('-' for stdout)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="torch.set_num_threads for transformers (default: torch's own, one per core); with other\n"
                         "processes busy on the machine, 1 can be much faster than oversubscribed cores")
+    p.add_argument("--from-json", metavar="PATH", type=Path,
+                   help="print the table of a previous run's --json output instead of measuring")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", help=argparse.SUPPRESS)
@@ -521,8 +535,19 @@ def main(argv=None) -> int:
 
     import psutil
 
-    if args.mem_limit_gb is None:
-        args.mem_limit_gb = 0.85 * psutil.virtual_memory().total / 2**30
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        for k, v in saved["args"].items():
+            if k not in ("from_json", "json"):
+                setattr(args, k, v)
+        rows = saved["rows"]
+        print_table(rows, sorted({r["context"] for r in rows}), list(dict.fromkeys(r["impl"] for r in rows)),
+                    saved["hardware"], args)
+        print(f"\nTotal wall time: {saved['total_wall_s']:.0f} s")
+        return 0
+    if args.mem_limit_gb is None:  # what the machine can give one process now, less a margin
+        vm = psutil.virtual_memory()
+        args.mem_limit_gb = min(0.85 * vm.total, vm.available - 1.5 * 2**30) / 2**30
     contexts = [parse_context(c) for c in (args.contexts or (QUICK_CONTEXTS if args.quick else DEFAULT_CONTEXTS))
                 .split(",")]
     impls = [i.strip() for i in args.impls.split(",")]
