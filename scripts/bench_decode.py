@@ -16,16 +16,30 @@ What is compared (different architectures of matched width; random weights, batc
                  (The cached path supports V4.1 only, so V4 itself cannot be run there.)
 * `dsv41-tiny`   dsv41 with `configs/tiny.json` as shipped (12 layers, hidden 64, 32 indexer heads,
                  window 16), only its context window / RoPE range raised to 128K.
+* `dsv41-toy-ced` (not in the default set) `dsv41-toy` with `runtime.prefill_schedule=ced`: the prompt
+                 runs through the encoder and the decoder source's KV projections, the whole decoder only
+                 for its last `decoder_replay_tokens` (128); decode is the same as `dsv41-toy`.
 
 Each (implementation, context) runs in a fresh subprocess, so peak memory (the RSS high-water mark of
-that process) is its own and an OOM or timeout leaves the rest of the table intact. dsv41 prefills in
-fixed chunks (--chunk); its first chunk and first decode step are compiled in a warm-up on a throwaway
-cache (reported as `compile s`) and the timed prefill / decode are steady state. The cache capacity is
-the context plus the decode steps, rounded up to the compression ratios.
+that process) is its own and an OOM or timeout leaves the rest of the table intact; a process that
+goes over --mem-limit-gb is killed and reported as OOM (it also volunteers to the kernel's OOM killer
+first). What a killed measurement had measured is kept: a prefill cut off by the timeout is reported
+as a lower bound (">N"), and dsv41's chunk progress gives an estimate of the whole prefill. dsv41
+prefills in fixed chunks (--chunk, the last one padded); its programs are compiled in a warm-up on a
+throwaway cache (`compile s`: trace + lowering + XLA compile) and the timed prefill / decode are steady
+state. The cache capacity is the context plus the decode steps, rounded up to the compression ratios.
+
+The timings are only as good as the machine is quiet: the `other load` column is the average number
+of cores other processes kept busy during each measurement. torch's intra-op threads suffer badly
+when the machine is oversubscribed (decode 10x slower and more with 2 threads on 2 cores while
+another core's worth of work runs); `--torch-threads 1` shows the difference.
 
     python scripts/bench_decode.py                 # 1K 4K 8K 16K 64K
     python scripts/bench_decode.py --quick         # 1K 4K
     python scripts/bench_decode.py --contexts 2K,8K --timeout 600 --json out.json
+    python scripts/bench_decode.py --impls hf-v4,dsv41-toy,dsv41-toy-ced,dsv41-tiny
+    python scripts/bench_decode.py --dsv41-src /tmp/export   # a `git archive HEAD` export (stable code)
+    python scripts/bench_decode.py --from-json out.json      # print a saved run's table again
 """
 
 from __future__ import annotations
@@ -510,7 +524,7 @@ def main(argv=None) -> int:
     p.add_argument("--dsv41-src", type=Path, default=REPO,
                    help="the checkout whose dsv41 package and configs/ are measured (default: this repository;\n"
                         "e.g. a `git archive HEAD` export, to measure a commit while the work tree changes)")
-    p.add_argument("--decode-steps", type=int, default=32, help="timed greedy decode steps (default 32)")
+    p.add_argument("--decode-steps", type=int, default=64, help="timed greedy decode steps (default 64)")
     p.add_argument("--chunk", type=int, default=1024, help="dsv41 prefill chunk in tokens (default 1024)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per measurement (default 300)")
     p.add_argument("--mem-limit-gb", type=float, default=None,
