@@ -45,9 +45,6 @@ class Cache:
     pool_blocks: jax.Array    # int32 [B, max_blocks]  the candidate blocks of the last step (-1: none)
     recent_tokens: jax.Array  # int32 [B, max_ngram-1] the last tokens (Engram look-back), -1 before start
 
-    def full_layers(self, cfg) -> tuple[int, ...]:
-        return full_layers(cfg)
-
 
 def full_layers(cfg) -> tuple[int, ...]:
     return tuple(r.index for r in layer_plan(cfg) if r.stores_entries)

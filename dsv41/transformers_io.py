@@ -273,7 +273,6 @@ def params_from_transformers(state_dict: Mapping, cfg) -> nnx.State:
         n = expected[path].get_value().shape[0]
         gaps = [e for e in range(n) if e not in per_expert]
         if gaps:
-            unknown.extend([])
             misshaped.append(f"{'.'.join(map(str, path))}: experts {gaps} missing of {n}")
             continue
         values[path] = np.stack([per_expert[e] for e in range(n)])
