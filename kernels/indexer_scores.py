@@ -9,9 +9,9 @@ How the kernels read the store:
 - Byte i of a key holds elements 2i (low nibble) and 2i+1 (high nibble), both under UE8M0 scale i // 16.
   The query is split the same way in XLA (q[..., 0::2], q[..., 1::2]), so q·k = q_even·lo + q_odd·hi and
   no kernel ever interleaves nibbles (a lane shuffle on TPU).
-- A key tile [tT, dI/2] is dequantised once and meets all J heads of tS queries in one matmul
-  [tT, dI/2] × [tS·J, dI/2]ᵀ; the head sum Σ_j w_j·relu(·) is a second, block-diagonal matmul
-  [8, tS·J] × [tT, tS·J]ᵀ that lands the scores lane-dense as [queries, keys].
+- A key tile is dequantised once and meets all J heads of tS queries in one matmul; on TPU, keys on
+  lanes (`store_view`), [tS·J, dI/2] × [dI/2, tT], then the head sum Σ_j w_j·relu(·) is a second,
+  block-diagonal matmul [8, tS·J] × [tS·J, tT] that lands the scores lane-dense as [queries, keys].
 - Dequantised keys are E2M1 × 2^k, exactly representable in bfloat16: with a bf16 query (the fake-quant
   FP4 query of the model) the MXU's one bf16 pass with fp32 accumulation rounds nothing; an fp32 query
   runs at HIGHEST precision. Only the accumulation order differs from the reference (fp32, ~1e-7).
