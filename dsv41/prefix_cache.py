@@ -411,8 +411,7 @@ class PrefixCache:
                         arrays[f"{rec.index}/{f}"] = c[f]
             written += self.store.put(key, self._header(key, k, tokens), arrays)
         if at_end and keys:
-            rings = {"window": np.asarray(cache.window[:, row]), "window_scales": np.asarray(cache.window_scales[:, row]),
-                     "window_start": np.asarray(cache.window_start[:, row])}
+            rings = {n: np.asarray(getattr(cache, n)[:, row]) for n in ("window", "window_scales", "window_start")}
             if self.pool is not None:
                 self.pool.put(keys[-1], rings)
             if self.ring_store is not None:

@@ -4,8 +4,6 @@ foreign and racing entries, TTL and byte budgets.
 The tiny model, prompts of at most 100 tokens, blocks of 32 (16 where the replay must cover the whole
 prefix), and one prefill width (32) so that one compiled step serves every call."""
 
-import dataclasses
-import os
 import shutil
 
 import jax
@@ -294,6 +292,41 @@ def test_pool_ttl_and_budget():
     assert list(pool.items) == ["a", "c"] and counters.evicted == 1
     clock.now += SWA_TTL - 1  # "a" (inserted at t0) is past its TTL, "c" (t0 + 2) is not
     assert pool.get("a") is None and pool.get("c") is not None and counters.expired == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Batches and the CED schedule (one more compiled step each)
+
+
+@pytest.mark.slow
+def test_batch_rows_restore_independently(model, cold, tmp_path):
+    """Row 0 shares the cached prefix (pool hit), row 1 has nothing cached: each row's answer is the one
+    it gets alone."""
+    cfg, params, prompt = model
+    other = np.random.default_rng(1).integers(0, cfg.architecture.vocab_size, 60).tolist()
+    alone = pc_lib.PrefixCache(cfg, params, tmp_path, block_tokens=BLOCK, clock=Clock())
+    other_logits, _, _ = alone.prefill([other], MAX_LEN, chunk=CHUNK)
+    logits, cache, infos = cold["pc"].prefill([prompt, other], MAX_LEN, chunk=CHUNK)
+    assert [i.rings for i in infos] == ["pool", "none"]
+    assert np.abs(np.asarray(logits)[0] - cold["logits"][0]).max() < 1e-5
+    assert np.abs(np.asarray(logits)[1] - np.asarray(other_logits)[0]).max() < 1e-5
+    assert cache.lengths.tolist() == [100, 60]
+
+
+@pytest.mark.slow
+def test_ced_schedule_pool_hit_is_exact_and_stores_the_same_global_kv(model, cold, tmp_path):
+    """Under CED the restore point leaves the last decoder_replay_tokens to the final chunk (which replays
+    them as a cold CED prefill does); its global KV is the full schedule's, byte for byte on disk."""
+    cfg, params, prompt = model
+    ced = dsv41.config.build(cfg.to_dict(), ["runtime.prefill_schedule=ced"])
+    pc = pc_lib.PrefixCache(ced, params, tmp_path, block_tokens=BLOCK, clock=Clock())
+    assert pc.restorable(100) == 64 and pc.fp == cold["pc"].fp
+    cold_logits, cold_cache, _ = pc.prefill([prompt], MAX_LEN, chunk=CHUNK)
+    for k in range(2):
+        assert _block_file(pc, prompt, k).read_bytes() == _block_file(cold["pc"], prompt, k).read_bytes()
+    logits, cache, infos = pc.prefill([prompt], MAX_LEN, chunk=CHUNK)
+    assert infos[0] == pc_lib.RestoreInfo(64, "pool")
+    assert np.array_equal(np.asarray(logits), np.asarray(cold_logits)) and _leaves_equal(cache, cold_cache)
 
 
 def test_block_size_must_close_every_group(model):
