@@ -1,0 +1,84 @@
+"""Kernel or reference, by `runtime.kernels` and the backend JAX runs on (DESIGN §8, §11).
+
+| mode               | what runs                                                            |
+|--------------------|----------------------------------------------------------------------|
+| `auto`             | the Pallas kernel on TPU and GPU, the plain-JAX reference on CPU     |
+| `pallas`           | the Pallas kernel (Mosaic on TPU, Triton on GPU; CPU has no lowering) |
+| `pallas_interpret` | the Pallas kernel in interpret mode, on any backend (CPU tests)      |
+| `reference`        | the plain-JAX reference                                              |
+Every choice gives the same numbers: the quantisation bit for bit, the attention to float rounding.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from dsv41.kernels import quant_pack, sparse_attention
+
+MODES = ("auto", "pallas", "pallas_interpret", "reference")
+_KERNEL_BACKENDS = ("tpu", "gpu")
+
+
+def resolve(mode: str, backend: str | None = None) -> str:
+    """The implementation `mode` selects on `backend` (default: JAX's): 'pallas', 'pallas_interpret' or 'reference'."""
+    if mode not in MODES:
+        raise ValueError(f"runtime.kernels={mode!r}: expected one of {list(MODES)}")
+    backend = backend or jax.default_backend()
+    if mode == "auto":
+        return "pallas" if backend in _KERNEL_BACKENDS else "reference"
+    if mode == "pallas" and backend not in _KERNEL_BACKENDS:
+        raise ValueError(f"runtime.kernels='pallas' on backend {backend!r}: Pallas kernels compile for "
+                         f"{list(_KERNEL_BACKENDS)}; use 'pallas_interpret' or 'reference' (or 'auto')")
+    return mode
+
+
+def _triton_can_take(h: int, k: int, block_keys: int) -> bool:
+    """Triton tiles are powers of two and its dots at least 16 wide (module doc of sparse_attention)."""
+    def pow2(n):
+        return n > 0 and n & (n - 1) == 0
+    return h >= 16 and pow2(h) and pow2(k) and pow2(block_keys)
+
+
+def sparse_decode_attention(q_BHK, window_values_BWK, window_scales_BWX, window_ok_BW, entries_BNK2,
+                            entry_scales_BNX, picks_Bk, sink_H, scale: float, *, mode: str = "auto",
+                            block_keys: int = 128):
+    """`sparse_attention.sparse_decode_attention` or its reference, as `mode` says (same arguments)."""
+    args = (q_BHK, window_values_BWK, window_scales_BWX, window_ok_BW, entries_BNK2, entry_scales_BNX, picks_Bk,
+            sink_H, scale)
+    impl = resolve(mode)
+    h, k = q_BHK.shape[-2:]
+    if impl == "reference" or (impl == "pallas" and jax.default_backend() == "gpu"
+                               and not _triton_can_take(h, k, block_keys)):
+        return sparse_attention.sparse_decode_attention_reference(*args)
+    return sparse_attention.sparse_decode_attention(*args, block_keys=block_keys,
+                                                    interpret=impl == "pallas_interpret")
+
+
+def sparse_attention_chunk(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2,
+                           entry_scales_BNX, picks_BSk, sink_H, scale: float, *, mode: str = "auto",
+                           block_keys: int = 128):
+    """`sparse_attention.sparse_attention` (S queries a row) or its reference, as `mode` says."""
+    args = (q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2, entry_scales_BNX, picks_BSk,
+            sink_H, scale)
+    impl = resolve(mode)
+    h, k = q_BSHK.shape[-2:]
+    if impl == "reference" or (impl == "pallas" and jax.default_backend() == "gpu"
+                               and not _triton_can_take(h, k, block_keys)):
+        return sparse_attention.sparse_attention_reference(*args)
+    return sparse_attention.sparse_attention(*args, block_keys=block_keys, interpret=impl == "pallas_interpret")
+
+
+def quantize_pack(x, fmt: str, *, mode: str = "auto"):
+    """x [..., K] -> (value bytes, scale bytes) of `fmt`, by kernel or reference as `mode` says."""
+    impl = resolve(mode)
+    if impl == "reference":
+        return quant_pack.quantize_pack_reference(x, fmt)
+    return quant_pack.quantize_pack(x, fmt, interpret=impl == "pallas_interpret")
+
+
+def unpack_dequantize(values, scales, fmt: str, *, mode: str = "auto"):
+    """(value bytes, scale bytes) of `fmt` -> float32 [..., K], by kernel or reference as `mode` says."""
+    impl = resolve(mode)
+    if impl == "reference":
+        return quant_pack.unpack_dequantize_reference(values, scales, fmt)
+    return quant_pack.unpack_dequantize(values, scales, fmt, interpret=impl == "pallas_interpret")

@@ -1,0 +1,223 @@
+"""Sparse attention over the stored cache formats (DESIGN §3.2, §3.8, §8): [window ring | picked entries | sink].
+
+Per query (one per row at decode, S per row in a prefill chunk) with H heads sharing one KV latent (MQA, key
+== value): one softmax over the valid FP8 window keys, the valid FP4 entries the indexer picked and the
+per-head sink (denominator only); a query with nothing valid gives 0, as `attention_cache.attend_step`.
+
+Kernel (one body for interpret mode, Mosaic TPU and Triton GPU; grid = one program per query):
+- each KV tile (`block_keys` keys) is dequantised ONCE from its bytes in VMEM/registers and shared by all H
+  heads as one [H, K] x [K, tile] matmul; decode reads every byte of the tile once (it is memory-bound);
+- online softmax over the tiles (flash-decoding), started from the sink: m = sink, l = 1, acc = 0, so the
+  sink is a key with a zero value and no row can divide by zero;
+- the FP4 entries are never re-interleaved inside the kernel: the low nibbles are the even channels and the
+  high nibbles the odd ones, so the logits are q_even·lo + q_odd·hi and the output gathers p·lo and p·hi
+  into two half accumulators that the wrapper interleaves (a [B, S, H, K] op, tiny next to the cache).
+- the tiles are unrolled statically (window W/tile + picks k/tile, e.g. 1 + 4 at full size): no scratch,
+  no sequential grid axis, which Triton does not have.
+Where the picked rows are gathered, and why: Mosaic (libtpu 0.0.42) refuses a DMA of one row of an 8-bit
+array (8-bit arrays are tiled 32 rows deep and a DMA's offset and size along that dimension must be
+multiples of 32), so neither scalar-prefetched index maps nor manual async copies can fetch a single picked
+entry; reading the 32-row tile around each pick would move 32x the bytes. The picked rows ([B, S, k, K/2 +
+K/16] bytes, 147 KB per query at full size) are therefore gathered by XLA and streamed into the kernel with
+the window by ordinary BlockSpecs; the kernel never sees the store itself.
+GPU: the Triton backend, not Mosaic GPU: Mosaic GPU in jax 0.10/0.11 wants warpgroup-shaped (WGMMA) tiles
+of 64 rows and has no general lowering for the per-element integer bit operations and lane-splitting
+reshapes the dequantisation needs, while Triton lowers them (checked by lowering for 'cuda' on CPU in
+tests/test_kernels_attention.py). The Triton backend is deprecated in jax >= 0.11; it still ships there.
+Triton needs power-of-two tile sizes and H >= 16 (its dot tiles); the dispatcher falls back to the
+reference for shapes it cannot take.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from dsv41.kernels import quant_pack as qp
+from dsv41.nn import attention_cache as ac
+
+HI = lax.Precision.HIGHEST
+
+
+def ring_valid(lengths_B, window_start_B, window: int):
+    """[B, W] bool: ring slots a decode query at position lengths-1 sees (its token already written).
+
+    Slot p % W holds position p; a slot is valid once written (p >= 0) and at or after the row's window start.
+    """
+    pos = ac.ring_positions(lengths_B, window)
+    return (pos >= 0) & (pos >= jnp.maximum(window_start_B, 0)[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel.
+
+def _dot_t(a, b, precision):
+    """a [M, C] · b [N, C]ᵀ -> float32 [M, N]."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
+
+
+def _dot(a, b, precision):
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32, precision=precision)
+
+
+def _attention_kernel(win_ok_ref, sel_ok_ref, q_ref, q_even_ref, q_odd_ref, win_vals_ref, win_scales_ref,
+                      sel_vals_ref, sel_scales_ref, sink_ref, out_ref, out_even_ref, out_odd_ref, *,
+                      tile: int, scale: float, precision):
+    q = q_ref[...]
+    q_even, q_odd = q_even_ref[...], q_odd_ref[...]
+    dt = q.dtype
+    h, k = q.shape
+    m = sink_ref[...].astype(jnp.float32)                            # [H, 1]: the sink opens the softmax
+    l = jnp.ones((h, 1), jnp.float32)
+    acc = jnp.zeros((h, k), jnp.float32)
+    acc_even = acc_odd = jnp.zeros((h, k // 2), jnp.float32)
+
+    def update(m, l, logits, ok):
+        logits = jnp.where(ok != 0, logits * scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1, keepdims=True))
+        alpha, p = jnp.exp(m - m_new), jnp.exp(logits - m_new)
+        return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha, p.astype(dt)
+
+    for i in range(win_vals_ref.shape[0] // tile):                    # window tiles: FP8 E4M3, UE8M0 per 32
+        rows = pl.ds(i * tile, tile)
+        keys = qp.dequantize_fp8_tile(win_vals_ref[rows, :].astype(jnp.int32),
+                                      win_scales_ref[rows, :].astype(jnp.int32)).astype(dt)
+        m, l, alpha, p = update(m, l, _dot_t(q, keys, precision), win_ok_ref[:, rows])
+        acc, acc_even, acc_odd = alpha * acc + _dot(p, keys, precision), alpha * acc_even, alpha * acc_odd
+    for i in range(sel_vals_ref.shape[0] // tile):                    # picked entries: FP4 E2M1, E4M3 per 16
+        rows = pl.ds(i * tile, tile)
+        b = sel_vals_ref[rows, :].astype(jnp.int32)                  # [tile, K/2]: byte j = channels 2j, 2j+1
+        s = qp.decode_e4m3(sel_scales_ref[rows, :].astype(jnp.int32))  # [tile, K/16]
+        # Byte j's two channels lie in block 2j // 16 = j // 8.
+        s = jnp.broadcast_to(s[:, :, None], (tile, s.shape[1], 8)).reshape(tile, k // 2)
+        lo, hi = (qp.decode_e2m1(b & 15) * s).astype(dt), (qp.decode_e2m1(b >> 4) * s).astype(dt)
+        logits = _dot_t(q_even, lo, precision) + _dot_t(q_odd, hi, precision)
+        m, l, alpha, p = update(m, l, logits, sel_ok_ref[:, rows])
+        acc = alpha * acc
+        acc_even = alpha * acc_even + _dot(p, lo, precision)
+        acc_odd = alpha * acc_odd + _dot(p, hi, precision)
+    out_ref[...] = acc / l
+    out_even_ref[...] = acc_even / l
+    out_odd_ref[...] = acc_odd / l
+
+
+def _pad_axis(x, axis: int, size: int, value=0):
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _compiler_params(backend: str):
+    if backend == "tpu":
+        from jax.experimental.pallas import tpu as pltpu
+        return pltpu.CompilerParams(dimension_semantics=("parallel",))
+    if backend == "gpu":
+        from jax.experimental.pallas import triton as pltr
+        return pltr.CompilerParams(num_warps=4, num_stages=1)
+    return None
+
+
+def sparse_attention(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2, entry_scales_BNX,
+                     picks_BSk, sink_H, scale: float, *, block_keys: int = 128, interpret: bool = False,
+                     backend: str | None = None):
+    """Prefill/training chunk: S queries per row, each with its own window mask and picks.
+
+    q [B, S, H, K] (float32 or bfloat16); window value bytes uint8 [B, Tw, K] (FP8 E4M3) and scale bytes
+    uint8 [B, Tw, K/32] (UE8M0) — the keys a chunk's queries may see (ring and new tokens), window_ok
+    bool [B, S, Tw]; the layer's packed entries uint8 [B, N, K/2] and E4M3 scale bytes uint8 [B, N, K/16];
+    picks int32 [B, S, k] into N (−1: skip); sink [H]. Returns [B, S, H, K] in q's dtype. The window tile is
+    dequantised per query here (the decode case, S = 1, is the one that must not re-read it).
+    """
+    b, s, h, k = q_BSHK.shape
+    t_win, n_sel = window_values_BTK.shape[1], picks_BSk.shape[-1]
+    want = {"window_values": (b, t_win, k), "window_scales": (b, t_win, k // 32), "window_ok": (b, s, t_win),
+            "entry_scales": (b, entries_BNK2.shape[1], k // 16), "picks": (b, s, n_sel), "sink": (h,)}
+    got = {"window_values": window_values_BTK.shape, "window_scales": window_scales_BTX.shape,
+           "window_ok": window_ok_BST.shape, "entry_scales": entry_scales_BNX.shape, "picks": picks_BSk.shape,
+           "sink": sink_H.shape}
+    for name, shape in want.items():
+        if tuple(got[name]) != shape:
+            raise ValueError(f"{name}.shape={tuple(got[name])}: expected {shape} for q of shape {q_BSHK.shape}")
+    if entries_BNK2.shape != (b, entries_BNK2.shape[1], k // 2):
+        raise ValueError(f"entries.shape={entries_BNK2.shape}: expected (B, N, K/2) = ({b}, N, {k // 2})")
+    if block_keys <= 0 or block_keys % 32:
+        raise ValueError(f"block_keys={block_keys}: expected a positive multiple of 32 (8-bit tiles are 32 rows)")
+    backend = backend or jax.default_backend()
+    tile = block_keys
+    t_pad, k_pad = -(-t_win // tile) * tile, -(-n_sel // tile) * tile
+    rows = b * s
+
+    # The picked rows, gathered by XLA (module doc: Mosaic cannot DMA one 8-bit row).
+    sel_vals = ac.gather_rows(entries_BNK2, picks_BSk).reshape(rows, n_sel, k // 2)
+    sel_scales = ac.gather_rows(entry_scales_BNX, picks_BSk).reshape(rows, n_sel, k // 16)
+    sel_ok = (picks_BSk >= 0).astype(jnp.int32).reshape(rows, 1, n_sel)
+    win_ok = window_ok_BST.astype(jnp.int32).reshape(rows, 1, t_win)
+    q = q_BSHK.reshape(rows, h, k)
+    operands = dict(
+        win_ok=_pad_axis(win_ok, 2, t_pad), sel_ok=_pad_axis(sel_ok, 2, k_pad), q=q, q_even=q[..., 0::2],
+        q_odd=q[..., 1::2], win_vals=_pad_axis(window_values_BTK, 1, t_pad),
+        win_scales=_pad_axis(window_scales_BTX, 1, t_pad), sel_vals=_pad_axis(sel_vals, 1, k_pad),
+        sel_scales=_pad_axis(sel_scales, 1, k_pad), sink=sink_H.astype(jnp.float32).reshape(h, 1))
+
+    def per_query(*tail):
+        return pl.BlockSpec((None, *tail), lambda r: (r,) + (0,) * len(tail))
+
+    def per_row(*tail):  # the window is the row's, shared by its S queries
+        return pl.BlockSpec((None, *tail), lambda r: (r // s,) + (0,) * len(tail))
+
+    in_specs = [per_query(1, t_pad), per_query(1, k_pad), per_query(h, k), per_query(h, k // 2),
+                per_query(h, k // 2), per_row(t_pad, k), per_row(t_pad, k // 32), per_query(k_pad, k // 2),
+                per_query(k_pad, k // 16), pl.BlockSpec((h, 1), lambda r: (0, 0))]
+    precision = HI if q.dtype == jnp.float32 else None
+    out, out_even, out_odd = pl.pallas_call(
+        functools.partial(_attention_kernel, tile=tile, scale=float(scale), precision=precision),
+        out_shape=(jax.ShapeDtypeStruct((rows, h, k), jnp.float32),
+                   jax.ShapeDtypeStruct((rows, h, k // 2), jnp.float32),
+                   jax.ShapeDtypeStruct((rows, h, k // 2), jnp.float32)),
+        grid=(rows,),
+        in_specs=in_specs,
+        out_specs=(per_query(h, k), per_query(h, k // 2), per_query(h, k // 2)),
+        compiler_params=None if interpret else _compiler_params(backend),
+        interpret=interpret,
+        # Two [H, K] x [K, keys] matmuls per query; the bytes are the tiles, q and the outputs.
+        cost_estimate=pl.CostEstimate(
+            flops=4 * rows * h * k * (t_pad + k_pad), transcendentals=rows * h * (t_pad + k_pad),
+            bytes_accessed=b * t_pad * (k + k // 32) + rows * (k_pad * (k // 2 + k // 16) + 4 * h * k * 4)),
+        name="sparse_attention",
+    )(*operands.values())
+    out = out + jnp.stack([out_even, out_odd], axis=-1).reshape(rows, h, k)
+    return out.reshape(b, s, h, k).astype(q_BSHK.dtype)
+
+
+def sparse_decode_attention(q_BHK, window_values_BWK, window_scales_BWX, window_ok_BW, entries_BNK2,
+                            entry_scales_BNX, picks_Bk, sink_H, scale: float, **kwargs):
+    """Decode: one query per row. q [B, H, K]; the ring uint8 [B, W, K] + [B, W, K/32] with its valid slots
+    [B, W] (`ring_valid`); entries uint8 [B, N, K/2] + [B, N, K/16]; picks int32 [B, k]; sink [H].
+    Returns [B, H, K] in q's dtype. Keyword arguments as `sparse_attention`."""
+    out = sparse_attention(q_BHK[:, None], window_values_BWK, window_scales_BWX, window_ok_BW[:, None],
+                           entries_BNK2, entry_scales_BNX, picks_Bk[:, None], sink_H, scale, **kwargs)
+    return out[:, 0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Plain-JAX references: dequantise the stores, then `attention_cache.attend_step`.
+
+def sparse_attention_reference(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2,
+                               entry_scales_BNX, picks_BSk, sink_H, scale: float):
+    """What `sparse_attention` computes, from `attention_cache` (same arguments, same result)."""
+    keys_w = ac.dequant_window(window_values_BTK, window_scales_BTX).astype(q_BSHK.dtype)
+    sel = ac.dequant_entries(ac.gather_rows(entries_BNK2, picks_BSk), ac.gather_rows(entry_scales_BNX, picks_BSk))
+    out = ac.attend_step(q_BSHK, keys_w, window_ok_BST, sel.astype(q_BSHK.dtype), picks_BSk >= 0, sink_H, scale)
+    return out.astype(q_BSHK.dtype)
+
+
+def sparse_decode_attention_reference(q_BHK, window_values_BWK, window_scales_BWX, window_ok_BW, entries_BNK2,
+                                      entry_scales_BNX, picks_Bk, sink_H, scale: float):
+    """What `sparse_decode_attention` computes, from `attention_cache`."""
+    return sparse_attention_reference(q_BHK[:, None], window_values_BWK, window_scales_BWX, window_ok_BW[:, None],
+                                      entries_BNK2, entry_scales_BNX, picks_Bk[:, None], sink_H, scale)[:, 0]
+
