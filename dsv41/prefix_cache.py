@@ -311,11 +311,15 @@ class PrefixCache:
       clock: seconds, e.g. time.time (injectable for TTL tests).
       weights_id: a checkpoint's identity to fingerprint instead of hashing the weights.
       token_map: the Engram token map (as for `steps.prefill`).
+      replay_tokens: (encoder, decoder) tokens a bounded replay runs again; default
+        swa_bounded_replay's encoder_replay_tokens and decoder_replay_tokens (a report varies them
+        without a new config, whose compiled steps would all be rebuilt).
     """
 
     def __init__(self, cfg, params, directory=None, *, block_tokens: int | None = None,
                  disk_budget_bytes: int = DEFAULT_DISK_BUDGET, pool_budget_bytes: int = DEFAULT_POOL_BUDGET,
-                 clock=time.time, weights_id: str | None = None, token_map=None):
+                 clock=time.time, weights_id: str | None = None, token_map=None,
+                 replay_tokens: tuple[int, int] | None = None):
         if cfg.architecture.family != schema.V41 or cfg.quant != "qat":
             raise ConfigError("architecture.family", cfg.architecture.family,
                               "expected 'v41' with quant 'qat': the prefix cache stores V4.1's packed formats")
@@ -331,10 +335,16 @@ class PrefixCache:
                               f"expected a positive multiple of {step} (the compression ratios {ratios}): a block "
                               "boundary must close every compressor group")
         r = cfg.swa_bounded_replay
-        if r.decoder_replay_tokens > r.encoder_replay_tokens:
-            raise ConfigError("swa_bounded_replay.decoder_replay_tokens", r.decoder_replay_tokens,
-                              f"expected at most encoder_replay_tokens ({r.encoder_replay_tokens}): the decoder "
-                              "replays tokens whose encoder output the encoder replay rebuilt")
+        enc, dec = replay_tokens or (r.encoder_replay_tokens, r.decoder_replay_tokens)
+        window = cfg.kv_cache.swa_window_size
+        if not 0 <= enc <= window:
+            raise ConfigError("swa_bounded_replay.encoder_replay_tokens", enc,
+                              f"expected 0..kv_cache.swa_window_size ({window}): replay rebuilds at most one window")
+        if not 0 <= dec <= enc:
+            raise ConfigError("swa_bounded_replay.decoder_replay_tokens", dec,
+                              f"expected 0..encoder_replay_tokens ({enc}): the decoder replays tokens whose "
+                              "encoder output the encoder replay rebuilt")
+        self.replay_tokens = (enc, dec)
         self.block = block_tokens
         self.counters = Counters()
         self.fp = fingerprint(cfg, params, weights_id)
@@ -511,11 +521,10 @@ class PrefixCache:
 
     def _replay(self, cache: Cache, prompts, n_cached, rows, infos) -> Cache:
         """Rebuilds the rings of `rows` from the last replay tokens of their restored prefixes."""
-        r = self.cfg.swa_bounded_replay
-        enc = r.encoder_replay_tokens
+        enc, dec = self.replay_tokens
         # Under CED the final prefill chunk replays the decoder itself (with its own truncated windows),
         # so only the encoder rings are needed here.
-        dec = 0 if self.schedule == "ced" else r.decoder_replay_tokens
+        dec = 0 if self.schedule == "ced" else dec
         if enc == 0:
             for row in rows:
                 infos[row].replayed = (0, 0)
