@@ -7,6 +7,12 @@ FP8 window ring with its UE8M0 scales. Per sequence: its length, the candidate p
 last step and the last tokens the Engram n-gram hashes look back on. Every shape is static. The
 one-byte formats are kept as their bits (uint8): a gather then moves bytes and nothing converts a
 whole store (`quant.to_bytes` / `quant.from_bytes` convert).
+
+V4 (compat, DESIGN §4) runs unquantised (`quant: none`, as the released transformers V4 does), so its
+cache keeps the same leaves in the compute dtype: the window ring and every CSA/HCA layer's entries
+(and a CSA layer's indexer keys) as floats, the scale leaves empty ([..., 0]). Its overlapped CSA
+compressors look back one whole window, so their leftovers hold 2·ratio − 1 tokens, and a CSA layer's
+indexer (its own compressor) keeps its own leftovers. The byte accounting (`expected_bytes`) is V4.1's.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dsv41 import accounting, quant
+from dsv41 import accounting, quant, schema
 from dsv41.errors import ConfigError
+from dsv41.nn import policy as policy_lib
 from dsv41.plan import layer_plan
 
 
@@ -32,6 +39,7 @@ class CompressedKV:
     index_keys: jax.Array     # uint8 [B, T, dI/2]    FP4 E2M1
     index_scales: jax.Array   # uint8 [B, T, dI/32]    the bits of UE8M0 scales
     leftover: jax.Array       # float32 [B, ratio-1, 2K]: wkv·x | wgate·x of the unfinished group's tokens
+    index_leftover: jax.Array  # float32 [B, 2·ratio-1, 4·dI]: a V4 CSA indexer's own compressor; else [B, 0, 0]
 
 
 @jax.tree_util.register_dataclass
@@ -51,6 +59,8 @@ def full_layers(cfg) -> tuple[int, ...]:
 
 
 def _shapes(cfg, batch: int, max_len: int) -> dict:
+    if cfg.architecture.family == schema.V4:
+        return _shapes_v4(cfg, batch, max_len)
     a = cfg.architecture
     k, w = a.head_dim, cfg.kv_cache.swa_window_size
     d_i = cfg.csa2.indexer.head_dim
@@ -61,28 +71,69 @@ def _shapes(cfg, batch: int, max_len: int) -> dict:
             continue
         t = max_len // r.ratio
         compressed.append(CompressedKV(
-            entries=jax.ShapeDtypeStruct((batch, t, k // 2), jnp.uint8),
-            entry_scales=jax.ShapeDtypeStruct((batch, t, k // quant.BLOCK[quant.FP4_E4M3_16]), jnp.uint8),
-            index_keys=jax.ShapeDtypeStruct((batch, t, d_i // 2), jnp.uint8),
-            index_scales=jax.ShapeDtypeStruct((batch, t, d_i // quant.BLOCK[quant.MXFP4]), jnp.uint8),
-            leftover=jax.ShapeDtypeStruct((batch, r.ratio - 1, 2 * k), jnp.float32),
+            entries=_sds((batch, t, k // 2), jnp.uint8),
+            entry_scales=_sds((batch, t, k // quant.BLOCK[quant.FP4_E4M3_16]), jnp.uint8),
+            index_keys=_sds((batch, t, d_i // 2), jnp.uint8),
+            index_scales=_sds((batch, t, d_i // quant.BLOCK[quant.MXFP4]), jnp.uint8),
+            leftover=_sds((batch, r.ratio - 1, 2 * k), jnp.float32),
+            index_leftover=_sds((batch, 0, 0), jnp.float32),
         ))
+    return _common(cfg, plan, batch, _sds((len(plan), batch, w, k), jnp.uint8),
+                   _sds((len(plan), batch, w, k // quant.BLOCK[quant.FP8_UE8M0_32]), jnp.uint8), compressed)
+
+
+def _shapes_v4(cfg, batch: int, max_len: int) -> dict:
+    a = cfg.architecture
+    k, w, d_i = a.head_dim, cfg.kv_cache.swa_window_size, cfg.v4.indexer.head_dim
+    dtype = policy_lib.from_config(cfg).compute_dtype
+    plan = layer_plan(cfg)
+    compressed = []
+    for r in plan:
+        if not r.stores_entries:
+            continue
+        t, csa = max_len // r.ratio, r.stores_index_keys
+        # Overlapped (CSA) compressors pool the previous window too: they keep 2·ratio − 1 tokens of
+        # two-part (Ca | Cb) projections, kv | gate each.
+        held, width = (2 * r.ratio - 1, 4) if csa else (r.ratio - 1, 2)
+        compressed.append(CompressedKV(
+            entries=_sds((batch, t, k), dtype),
+            entry_scales=_sds((batch, t, 0), jnp.uint8),
+            index_keys=_sds((batch, t, d_i if csa else 0), dtype),
+            index_scales=_sds((batch, t, 0), jnp.uint8),
+            leftover=_sds((batch, held, width * k), jnp.float32),
+            index_leftover=_sds((batch, held if csa else 0, 4 * d_i if csa else 0), jnp.float32),
+        ))
+    return _common(cfg, plan, batch, _sds((len(plan), batch, w, k), dtype), _sds((len(plan), batch, w, 0), jnp.uint8),
+                   compressed)
+
+
+def _common(cfg, plan, batch: int, window, window_scales, compressed) -> dict:
+    a = cfg.architecture
     pool = cfg.csa2.indexer.hierarchical.max_blocks if any(r.candidate_source is not None for r in plan) else 0
     return dict(
-        lengths=jax.ShapeDtypeStruct((batch,), jnp.int32),
-        window=jax.ShapeDtypeStruct((len(plan), batch, w, k), jnp.uint8),
-        window_scales=jax.ShapeDtypeStruct((len(plan), batch, w, k // quant.BLOCK[quant.FP8_UE8M0_32]), jnp.uint8),
+        lengths=_sds((batch,), jnp.int32),
+        window=window,
+        window_scales=window_scales,
         compressed=tuple(compressed),
-        window_start=jax.ShapeDtypeStruct((len(plan), batch), jnp.int32),
-        pool_blocks=jax.ShapeDtypeStruct((batch, pool), jnp.int32),
-        recent_tokens=jax.ShapeDtypeStruct((batch, a.engram.max_ngram - 1 if list(a.engram.layers) else 0),
-                                           jnp.int32),
+        window_start=_sds((len(plan), batch), jnp.int32),
+        pool_blocks=_sds((batch, pool), jnp.int32),
+        recent_tokens=_sds((batch, a.engram.max_ngram - 1 if list(a.engram.layers) else 0), jnp.int32),
     )
 
 
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def quantised(cache: Cache) -> bool:
+    """True when the cache holds the packed formats (V4.1), False for the float cache of V4 compat."""
+    return cache.window.dtype == jnp.uint8
+
+
 def check_capacity(cfg, max_len: int) -> None:
-    if cfg.architecture.family != "v41":
-        raise ConfigError("architecture.family", cfg.architecture.family, "the inference cache supports 'v41'")
+    if cfg.architecture.family not in (schema.V41, schema.V4):
+        raise ConfigError("architecture.family", cfg.architecture.family,
+                          f"the inference cache supports {schema.V41!r} and {schema.V4!r}")
     ratios = sorted({r.ratio for r in layer_plan(cfg) if r.ratio})
     step = math.lcm(*ratios) if ratios else 1
     if not isinstance(max_len, int) or max_len <= 0 or max_len % step:
@@ -113,7 +164,11 @@ def nbytes(cache) -> int:
 
 
 def expected_bytes(cfg, batch: int, max_len: int) -> dict:
-    """The accounting the cache must equal: kv_bytes_per_token × capacity + the fixed per-sequence part."""
+    """The accounting the cache must equal: kv_bytes_per_token × capacity + the fixed per-sequence part
+    (V4.1; the V4 compat cache is unquantised and is not what V4's accounting describes)."""
+    if cfg.architecture.family != schema.V41:
+        raise ConfigError("architecture.family", cfg.architecture.family,
+                          f"expected {schema.V41!r}: the V4 compat cache stores floats, not V4's published formats")
     per_token = accounting.kv_bytes_per_token(cfg)["total"]
     fixed = accounting.fixed_bytes_per_sequence(cfg)
     return {"global_kv": batch * per_token * max_len, "fixed": batch * fixed["total"],

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41 import engram_hash
+from dsv41 import engram_hash, schema
 from dsv41 import model as model_lib
 from dsv41.cache import Cache, full_layers
 from dsv41.errors import ConfigError
@@ -27,9 +27,9 @@ from dsv41.nn.attention_cache import attention_step, write_entries
 
 
 def capacity(cfg, cache: Cache) -> int:
-    """The number of tokens a cache row can hold."""
-    rec = next(r for r in layer_plan(cfg) if r.stores_entries)
-    return cache.compressed[0].entries.shape[1] * rec.ratio
+    """The number of tokens a cache row can hold (a window-only model: its context window)."""
+    rec = next((r for r in layer_plan(cfg) if r.stores_entries), None)
+    return cfg.context_window if rec is None else cache.compressed[0].entries.shape[1] * rec.ratio
 
 
 def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, final: bool = True):
@@ -52,7 +52,7 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, 
     if ((tokens < 0) | (tokens >= vocab))[live].any():
         bad = tokens[live & ((tokens < 0) | (tokens >= vocab))]
         raise ValueError(f"tokens: ids {sorted(set(bad.tolist()))[:8]}: expected 0..{vocab - 1}")
-    if cfg.quant != "qat":
+    if cfg.architecture.family == schema.V41 and cfg.quant != "qat":
         raise ConfigError("quant", cfg.quant, "expected 'qat': the cache stores the quantised formats")
     held = np.asarray(cache.lengths)
     cap = capacity(cfg, cache)
@@ -63,6 +63,9 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, 
     tokens = np.where(live, tokens, 0)
     ids, recent = _engram(cfg, cache, tokens, counts, held, token_map)
     key = model_lib.config_key(cfg)
+    if cfg.runtime.prefill_schedule == "ced" and cfg.architecture.family != schema.V41:
+        raise ConfigError("runtime.prefill_schedule", "ced", f"expected 'full' for the {cfg.architecture.family!r} "
+                          "family: CED needs V4.1's encoder and decoder stages")
     if cfg.runtime.prefill_schedule == "ced" and s > 1:
         replay = min(cfg.swa_bounded_replay.decoder_replay_tokens, s) if final else 0
         logits, cache = _ced(key, params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(counts), ids, replay)
@@ -101,7 +104,7 @@ def _engram(cfg, cache, tokens, counts, held, token_map):
     return jnp.asarray(np.concatenate(ids), jnp.int32), new_recent
 
 
-def _layers(model, blocks, x_BSND, pre, positions, valid, lengths, cache, published, stores, ids,
+def _layers(model, blocks, x_BSND, pre, tokens_BS, positions, valid, lengths, published, stores, ids,
             rings, starts, entries_ready=()):
     """Runs `blocks` (layer indices) over the new tokens; rings/starts are updated in place (lists)."""
     for i in blocks:
@@ -111,7 +114,7 @@ def _layers(model, blocks, x_BSND, pre, positions, valid, lengths, cache, publis
             return y
 
         ids_i = None if model.layers[i].engram is None else ids[:, :, model.engram_layers.index(i)]
-        x_BSND, pre = model.layers[i](x_BSND, pre, attend, ids_i)
+        x_BSND, pre = model.layers[i](x_BSND, pre, attend, ids_i, tokens_BS)  # tokens: V4's hash-routed MoE
     return x_BSND, pre
 
 
@@ -124,8 +127,9 @@ def _embed(model, tokens_BS):
 
 def _head(model, x_BSND, pre, counts_B):
     rows, last = jnp.arange(x_BSND.shape[0]), jnp.maximum(counts_B - 1, 0)
-    h = model.norm(mhc.collapse(x_BSND[rows, last][:, None], pre[rows, last][:, None]))[:, 0]
-    return model.head(h).astype(jnp.float32)
+    x = x_BSND[rows, last][:, None]
+    h = model.hc_head(x) if model.hc_head is not None else mhc.collapse(x, pre[rows, last][:, None])
+    return model.head(model.norm(h)[:, 0]).astype(jnp.float32)
 
 
 def _finish(cfg, cache, lengths, rings, starts, stores, published, counts_B):
@@ -159,8 +163,8 @@ def _step(key, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
         rings, starts, stores = _state(cfg, cache)
         published: dict = {}
         x, pre = _embed(model, tokens_BS)
-        x, pre = _layers(model, range(len(model.layers)), x, pre, positions, valid, cache.lengths, cache, published,
-                         stores, engram_ids_BSLC, rings, starts)
+        x, pre = _layers(model, range(len(model.layers)), x, pre, tokens_BS, positions, valid, cache.lengths,
+                         published, stores, engram_ids_BSLC, rings, starts)
         return _head(model, x, pre, counts_B), _finish(cfg, cache, cache.lengths + counts_B, rings, starts, stores,
                                                        published, counts_B)
 
@@ -185,7 +189,7 @@ def _ced(key, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC, replay
         rings, starts, stores = _state(cfg, cache)
         published: dict = {}
         x, pre = _embed(model, tokens_BS)
-        x, pre = _layers(model, encoder, x, pre, positions, valid, cache.lengths, cache, published, stores,
+        x, pre = _layers(model, encoder, x, pre, tokens_BS, positions, valid, cache.lengths, published, stores,
                          engram_ids_BSLC, rings, starts)
         block = model.layers[source]
         h = block.attn_norm(mhc.collapse(x, pre))
@@ -203,8 +207,8 @@ def _ced(key, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC, replay
         for i in decoder:
             starts[i] = jnp.where(n > 0, start, starts[i])
         ids = None if engram_ids_BSLC is None else engram_ids_BSLC[rows, idx]
-        x, pre = _layers(model, decoder, x[rows, idx], pre[rows, idx], positions[rows, idx], replay_valid, start,
-                         cache, published, stores, ids, rings, starts, entries_ready=(source,))
+        x, pre = _layers(model, decoder, x[rows, idx], pre[rows, idx], tokens_BS[rows, idx], positions[rows, idx],
+                         replay_valid, start, published, stores, ids, rings, starts, entries_ready=(source,))
         return _head(model, x, pre, n), _finish(cfg, cache, new_len, rings, starts, stores, published, n)
 
     return nnx.capture(run, nnx.Intermediate)(model)[0]

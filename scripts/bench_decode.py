@@ -2,14 +2,18 @@
 """Prefill seconds, decode tokens/s and peak memory of dsv41's cached inference path against
 transformers' `DeepseekV4ForCausalLM`, at several context lengths, in one table.
 
-What is compared (different architectures of matched width; random weights, batch 1, fp32, CPU):
+What is compared (random weights, batch 1, fp32, CPU):
 
 * `hf-v4`        transformers `DeepseekV4ForCausalLM` with a toy **V4** config: hidden 128, 6 layers
                  (2 window-only, then CSA ratio 4 / HCA ratio 32 alternating), 8 heads x 64, indexer
                  8 x 32 top-32, 8 experts top-2 (3 hash-routed layers, as V4-Flash), window 128.
                  Prefill: one forward over the prompt with `use_cache=True`; decode: greedy steps
                  feeding the returned cache.
-* `dsv41-toy`    dsv41 (`dsv41.prefill` / `dsv41.decode`) with the closest **V4.1** config: overrides
+* `dsv41-v4`     dsv41 (`dsv41.prefill` / `dsv41.decode`, V4 compat) running **the same model**: the
+                 config converted by `dsv41.config_from_transformers` and the weights of the very
+                 transformers model `hf-v4` builds (same seed, loaded by `dsv41.params_from_transformers`),
+                 on the same prompt. The table counts how many greedy tokens the two produce alike.
+* `dsv41-toy`    dsv41 with the closest **V4.1** config: overrides
                  of `configs/tiny.json` to hidden 128, 8 heads x 64, 6 layers (encoder: 2 window-only +
                  Full/Reuse at ratio 2; decoder: Full/Reindex at ratio 1), indexer 8 x 32 top-32 in a
                  pool of 128 blocks x 8, 8 experts top-2, window 128, context raised to 128K.
@@ -59,9 +63,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CONTEXTS = "1K,4K,8K,16K,64K"
 QUICK_CONTEXTS = "1K,4K"
-IMPLS = ("hf-v4", "dsv41-toy", "dsv41-tiny", "dsv41-toy-ced")
-DEFAULT_IMPLS = ("hf-v4", "dsv41-toy", "dsv41-tiny")
-MATCHED = ("dsv41-toy", "dsv41-toy-ced")  # the dsv41 rows compared with hf-v4
+IMPLS = ("hf-v4", "dsv41-v4", "dsv41-toy", "dsv41-tiny", "dsv41-toy-ced")
+DEFAULT_IMPLS = ("hf-v4", "dsv41-v4", "dsv41-toy", "dsv41-tiny")
+MATCHED = ("dsv41-v4", "dsv41-toy", "dsv41-toy-ced")  # the dsv41 rows compared with hf-v4
 MAX_POSITION = 131072  # RoPE range / context window of every config here (covers 64K + decode)
 
 # --------------------------------------------------------------------------------------------------
@@ -101,10 +105,12 @@ DSV41_TINY = list(_CONTEXT)
 # token, the rest of the decoder only for the last decoder_replay_tokens of the prompt.
 DSV41_TOY_CED = DSV41_TOY + ["runtime.prefill_schedule=ced"]
 OVERRIDES = {"dsv41-toy": DSV41_TOY, "dsv41-tiny": DSV41_TINY, "dsv41-toy-ced": DSV41_TOY_CED}
+GREEDY_COMPARED = 16  # greedy tokens of dsv41-v4 and hf-v4 compared (the first from the prefill)
 
 DESCRIPTIONS = {
     "hf-v4": "transformers DeepseekV4ForCausalLM, toy V4: hidden 128, 6 layers (2 window, CSA/4 + HCA/32 x2), "
              "8x64 heads, indexer 8x32 top-32, 8 experts top-2, window 128",
+    "dsv41-v4": "dsv41 prefill/decode (V4 compat) of the same model: hf-v4's config and weights, same prompt",
     "dsv41-toy": "dsv41 prefill/decode, V4.1 at the matched toy size: hidden 128, 6 layers (2 window, enc Full+Reuse "
                  "/2, dec Full+Reindex /1), 8x64 heads, indexer 8x32 top-32 (pool 128x8), 8 experts top-2, window 128",
     "dsv41-tiny": "dsv41 prefill/decode, configs/tiny.json (12 layers, hidden 64, 4x64 heads, indexer 32x32 top-8, "
@@ -145,12 +151,11 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # KiB on Linux
 
 
-def worker_hf(ctx: int, steps: int, seed: int, threads: int | None) -> dict:
+def hf_model(seed: int):
+    """The toy transformers V4 of `hf-v4` (and, converted, of `dsv41-v4`): deterministic given the seed."""
     import torch
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    if threads:
-        torch.set_num_threads(threads)
     torch.manual_seed(seed)
     cfg = DeepseekV4Config(**HF_V4)
     model = DeepseekV4ForCausalLM(cfg).eval()
@@ -159,7 +164,22 @@ def worker_hf(ctx: int, steps: int, seed: int, threads: int | None) -> dict:
             if name.endswith("tid2eid"):
                 n = cfg.n_routed_experts
                 b.copy_(torch.stack([torch.randperm(n)[: b.shape[1]] for _ in range(b.shape[0])]))
-    tokens = torch.randint(0, cfg.vocab_size, (1, ctx), generator=torch.Generator().manual_seed(seed + 1))
+    return model
+
+
+def prompt(seed: int, vocab: int, ctx: int):
+    import numpy as np
+
+    return np.random.default_rng(seed + 1).integers(0, vocab, (1, ctx), dtype=np.int32)
+
+
+def worker_hf(ctx: int, steps: int, seed: int, threads: int | None) -> dict:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = hf_model(seed)
+    tokens = torch.from_numpy(prompt(seed, model.config.vocab_size, ctx)).long()
     out = {}
     partial(out, rss_after_init_gb=rss_gb(), threads=torch.get_num_threads(), prefill_start_epoch=time.time())
     with torch.no_grad():
@@ -168,6 +188,7 @@ def worker_hf(ctx: int, steps: int, seed: int, threads: int | None) -> dict:
         partial(out, prefill_s=time.perf_counter() - t0, rss_after_prefill_gb=rss_gb())
         cache = res.past_key_values
         nxt = res.logits[:, -1].argmax(-1)
+        greedy = [int(nxt[0])]
         times = []
         for _ in range(steps + 1):  # the first step is a warm-up, as for dsv41
             t0 = time.perf_counter()
@@ -175,6 +196,8 @@ def worker_hf(ctx: int, steps: int, seed: int, threads: int | None) -> dict:
             nxt = res.logits[:, -1].argmax(-1)
             times.append(time.perf_counter() - t0)
             cache = res.past_key_values
+            greedy.append(int(nxt[0]))
+    out["greedy"] = greedy[:GREEDY_COMPARED]
     out["decode_tok_s"] = steps / sum(times[1:])
     out["decode_median_tok_s"] = 1 / sorted(times[1:])[len(times[1:]) // 2]
     out["first_decode_s"] = times[0]
@@ -197,16 +220,21 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int) -> dict
             compile_events[event] += secs
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
-    cfg = dsv41.load_config(Path(dsv41.__file__).resolve().parent.parent / "configs" / "tiny.json",
-                            overrides=OVERRIDES[impl])
+    if impl == "dsv41-v4":  # the transformers model itself, converted
+        reference = hf_model(seed)
+        cfg = dsv41.config_from_transformers(reference.config.to_dict())
+        params = dsv41.params_from_transformers(reference.state_dict(), cfg)
+        del reference
+    else:
+        cfg = dsv41.load_config(Path(dsv41.__file__).resolve().parent.parent / "configs" / "tiny.json",
+                                overrides=OVERRIDES[impl])
+        params = dsv41.init_params(cfg, jax.random.key(seed))
     ced = cfg.runtime.get("prefill_schedule", "full") == "ced"
     final = {"final": True} if ced else {}  # older checkouts have no `final` argument
     ratios = sorted({r.ratio for r in layer_plan(cfg) if r.ratio}) or [1]
     step = math.lcm(*ratios)
     max_len = -(-(ctx + steps + 1) // step) * step
-    params = dsv41.init_params(cfg, jax.random.key(seed))
-    rng = np.random.default_rng(seed + 1)
-    tokens = rng.integers(0, cfg.architecture.vocab_size, (1, ctx), dtype=np.int32)
+    tokens = prompt(seed, cfg.architecture.vocab_size, ctx)
     chunk = min(chunk, ctx)
     out = {}
     partial(out, rss_after_init_gb=rss_gb(), chunk=chunk, max_len=max_len, devices=[str(d) for d in jax.devices()])
@@ -243,12 +271,15 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int) -> dict
     partial(out, prefill_s=time.perf_counter() - t0, rss_after_prefill_gb=rss_gb(),
             compile_s_after_warmup=sum(compile_events.values()) - out["compile_s"])  # 0: no recompilation
     nxt = np.asarray(logits).argmax(-1)
+    greedy = [int(nxt[0])]
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         logits, cache = dsv41.decode(params, cfg, cache, nxt)
         nxt = np.asarray(logits).argmax(-1)  # greedy: the host needs each token before the next step
         times.append(time.perf_counter() - t0)
+        greedy.append(int(nxt[0]))
+    out["greedy"] = greedy[:GREEDY_COMPARED]
     out["decode_tok_s"] = steps / sum(times)
     out["decode_median_tok_s"] = 1 / float(np.median(times))
     assert int(np.asarray(cache.lengths)[0]) == ctx + steps
@@ -450,8 +481,8 @@ def print_table(rows: list[dict], contexts: list[int], impls: list[str], hw: dic
           f"{args.mem_limit_gb:.1f} GB per measurement.")
     for impl in impls:
         print(f"  {impl:13s} {DESCRIPTIONS[impl]}")
-    print("NOTE: hf-v4 is DeepSeek-V4 and dsv41-* are DeepSeek-V4.1 (different architectures of matched width):")
-    print("      the ratios compare the two implementations' cached inference at the same toy size, not one model.")
+    print("NOTE: dsv41-v4 and hf-v4 are one model (same config, weights and prompt); the other dsv41-* rows are")
+    print("      DeepSeek-V4.1 at a matched toy size (a different architecture: their ratios compare implementations).")
     print("      peak GB: RSS high-water mark of the measurement's own process (runtime + weights + activations + cache);")
     print("      compile s: dsv41's jit trace + lowering + XLA compile, outside the timed prefill / decode;")
     print("      other load: average cores kept busy by other processes of the machine during the measurement.")
@@ -490,9 +521,13 @@ def print_table(rows: list[dict], contexts: list[int], impls: list[str], hw: dic
                              f"(peak {r['peak_gb']:.2f} GB)")
     for impl in [i for i in MATCHED if i in impls and "hf-v4" in impls]:
         print()
-        print(f"{impl} (V4.1) vs hf-v4 (V4) at the same toy size: speedups (>1: dsv41 faster) and peak memory "
-              "ratio dsv41 / transformers (<1: dsv41 smaller)")
-        head = f"{'context':>7s} {'prefill speedup':>16s} {'decode speedup':>15s} {'peak memory ratio':>18s}"
+        same = impl == "dsv41-v4"
+        print(f"{impl} vs hf-v4 " + ("(the same V4 model)" if same else "(V4.1 vs V4 at the same toy size)") +
+              ": speedups (>1: dsv41 faster) and peak memory ratio dsv41 / transformers (<1: dsv41 smaller)" +
+              (f"; greedy: how many of the first {GREEDY_COMPARED} greedy tokens agree before the first difference"
+               if same else ""))
+        head = (f"{'context':>7s} {'prefill speedup':>16s} {'decode speedup':>15s} {'peak memory ratio':>18s}"
+                + (f" {'greedy':>8s}" if same else ""))
         print(head)
         print("-" * len(head))
         for ctx in contexts:
@@ -504,8 +539,14 @@ def print_table(rows: list[dict], contexts: list[int], impls: list[str], hw: dic
                 mem = f"{d['peak_gb'] / h['peak_gb']:.2f}"
             elif d["status"] == "ok" and h["status"] in ("OOM", "timeout"):  # transformers needed at least this
                 mem = f"<{d['peak_gb'] / h['peak_gb']:.2f}"
+            agree = ""
+            if same:
+                a, b = d.get("greedy"), h.get("greedy")
+                n = min(len(a or []), len(b or []))
+                common = next((i for i in range(n) if a[i] != b[i]), n)
+                agree = f" {'-':>8s}" if not n else f" {common:>3d}/{n:<4d}"
             print(f"{fmt_context(ctx):>7s} {prefill_speedup(d, h):>16s} "
-                  f"{decode_speedup(d, h):>15s} {mem:>18s}")
+                  f"{decode_speedup(d, h):>15s} {mem:>18s}{agree}")
     if notes:
         print()
         for n in notes:

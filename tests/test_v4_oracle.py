@@ -101,6 +101,41 @@ def test_logits_match_transformers(name):
     assert err.max() <= LOGIT_TOL * scale, f"max abs {err.max():.2e}, logits std {scale:.3f}"
 
 
+@pytest.mark.slow
+def test_cached_prefill_and_decode_match_transformers():
+    """The hca16 model through dsv41's inference cache (floats, as the reference runs V4): two rows
+    prefilled in chunks of 40 tokens (40 and 40; 40 and 23; 21 and 38 — the chunks end mid-window for
+    every compressor, and the rows hold different lengths), then decoded one token at a time to 150.
+    Each step's logits against the reference's whole-sequence logits at that position: the window (12)
+    wraps many times, the CSA top-6 saturates, the HCA layers pool 9 windows of 16 and the overlapped
+    CSA compressors carry the previous window across calls."""
+    types, hash_layers, seq, batch, overrides = CASES["hca16"]
+    ref = reference_model(types, hash_layers, **overrides)
+    tokens = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(tokens, use_cache=False).logits.numpy()
+    cfg = transformers_io.config_from_transformers(ref.config.to_dict())
+    params = transformers_io.params_from_transformers(ref.state_dict(), cfg)
+    toks = tokens.numpy()
+    c = dsv41.init_cache(cfg, batch, 160)
+    got, done = [], [0, 0]  # (row, position, logits); tokens cached per row
+    for counts in ([40, 40], [40, 23], [21, 38]):
+        chunk = np.zeros((batch, 40), np.int32)
+        for r, n in enumerate(counts):
+            chunk[r, :n] = toks[r, done[r]:done[r] + n]
+        logits, c = dsv41.prefill(params, cfg, c, chunk, lengths=counts)
+        done = [d + n for d, n in zip(done, counts)]
+        got += [(r, done[r] - 1, logits[r]) for r in range(batch)]
+    assert done == [101, 101]
+    for p in range(101, seq):
+        logits, c = dsv41.decode(params, cfg, c, toks[:, p])
+        got += [(r, p, logits[r]) for r in range(2)]
+    assert np.asarray(c.lengths).tolist() == [seq, seq]
+    scale = want.std()
+    err = max(float(np.abs(np.asarray(g) - want[r, p]).max()) for r, p, g in got)
+    assert err <= LOGIT_TOL * scale, f"max abs {err:.2e}, logits std {scale:.3f}"
+
+
 # ------------------------------------------------------------------------------------------------
 # Blocks, on the reference's own inputs
 

@@ -12,6 +12,8 @@ Rows may hold different lengths and bring different numbers of new tokens (`vali
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,8 @@ import numpy as np
 from dsv41 import quant
 from dsv41.cache import CompressedKV
 from dsv41.nn import indexer as ix
+from dsv41.nn.attention import AttentionV4
+from dsv41.nn.norm import rms_normalize
 from dsv41.nn.rope import apply_rope
 
 NEG_INF = -jnp.inf
@@ -60,38 +64,59 @@ def dequant_window(value_bytes, scale_bytes):
                                          quant.from_bytes(scale_bytes, jnp.float8_e8m0fnu))
 
 
-def compress_step(comp, x_BSD, lengths_B, counts_B, leftover_BRK):
+def compress_step(comp, x_BSD, lengths_B, counts_B, leftover_BRC):
     """Latents of the groups completed by this call, folding in the leftover tokens.
 
-    Returns (latent [B, E, K], entry index [B, E], done [B, E], new leftover [B, m-1, 2K]).
+    A group of `ratio` tokens gives one entry. An overlapped compressor (V4 CSA) also pools the
+    previous group into entry i, through the first half of its channels (Ca of group i−1, Cb of group i;
+    group −1 gets no weight), and V4's compressors add a learned bias per slot to the gate. The leftover
+    holds the fp32 projections (wkv·x | wgate·x + bias) of the tokens from the first one the next entry
+    pools up to the last one seen: ratio − 1 tokens, 2·ratio − 1 when overlapped.
+
+    Returns (latent [B, E, K], entry index [B, E], done [B, E], new leftover [B, R, C]).
     """
     m = comp.ratio
     b, s, _ = x_BSD.shape
     if comp.wgate is None:  # ratio 1: every token is its own entry
         positions = lengths_B[:, None] + jnp.arange(s)
-        return comp(x_BSD), positions, jnp.arange(s) < counts_B[:, None], leftover_BRK
+        return comp(x_BSD), positions, jnp.arange(s) < counts_B[:, None], leftover_BRC
+    overlap = getattr(comp, "overlap", False)
+    back = m if overlap else 0  # positions an entry pools before its own group
+    held = leftover_BRC.shape[1]  # = back + m - 1
     x = x_BSD.astype(jnp.float32)
-    kvg = jnp.concatenate([jnp.dot(x, comp.wkv.w[...].astype(jnp.float32), precision=HI),
-                           jnp.dot(x, comp.wgate.w[...].astype(jnp.float32), precision=HI)], axis=-1)
+    kv = jnp.dot(x, comp.wkv.w[...].astype(jnp.float32), precision=HI)
+    gate = jnp.dot(x, comp.wgate.w[...].astype(jnp.float32), precision=HI)
+    if getattr(comp, "position_bias", None) is not None:
+        slot = jnp.mod(lengths_B[:, None] + jnp.arange(s), m)
+        gate = gate + comp.position_bias[...].astype(jnp.float32)[slot]
+    proj = jnp.concatenate([kv, gate], axis=-1)                            # [B, S, 2·width]
+    base = lengths_B // m * m - back                                       # position of leftover slot 0
+    rows = jnp.arange(b)
+
+    def fetch(pos):  # [B, ...] positions -> their projections (from this chunk or the leftover)
+        r = rows.reshape(-1, *([1] * (pos.ndim - 1)))
+        lead = (slice(None),) + (None,) * (pos.ndim - 1)
+        from_chunk = proj[r, jnp.clip(pos - lengths_B[lead], 0, s - 1)]
+        from_left = leftover_BRC[r, jnp.clip(pos - base[lead], 0, held - 1)]
+        return jnp.where((pos >= lengths_B[lead])[..., None], from_chunk, from_left)
+
     e_max = (s + m - 1) // m
     new_len = lengths_B + counts_B
     entry = lengths_B[:, None] // m + jnp.arange(e_max)                   # [B, E]
     done = (entry + 1) * m <= new_len[:, None]
-    member = m * entry[..., None] + jnp.arange(m)                          # [B, E, m] positions
-    in_chunk = member >= lengths_B[:, None, None]
-    rows = jnp.arange(b)[:, None, None]
-    from_chunk = kvg[rows, jnp.clip(member - lengths_B[:, None, None], 0, s - 1)]
-    held = jnp.concatenate([leftover_BRK, jnp.zeros_like(leftover_BRK[:, :1])], axis=1)  # slot r = group member r
-    vals = jnp.where(in_chunk[..., None], from_chunk, held[:, None, :, :])
-    kv, gate = jnp.split(vals, 2, axis=-1)
+    member = m * entry[..., None] - back + jnp.arange(back + m)            # [B, E, M] positions
+    kv, gate = jnp.split(fetch(member), 2, axis=-1)
+    if overlap:
+        first = (jnp.arange(back + m) < m)[:, None]
+        k = kv.shape[-1] // 2
+        kv = jnp.where(first, kv[..., :k], kv[..., k:])
+        gate = jnp.where(first, gate[..., :k], gate[..., k:])
+    exists = (member >= 0)[..., None]
+    kv, gate = jnp.where(exists, kv, 0.0), jnp.where(exists, gate, NEG_INF)
     latent = comp.norm(jnp.sum(kv * jax.nn.softmax(gate, axis=2), axis=2).astype(x_BSD.dtype))
-    # The new unfinished group: its first new_len % m members.
-    r = jnp.arange(m - 1)
-    pos = (new_len // m)[:, None] * m + r                                  # [B, m-1]
-    keep = r < (new_len % m)[:, None]
-    from_chunk = kvg[jnp.arange(b)[:, None], jnp.clip(pos - lengths_B[:, None], 0, s - 1)]
-    new_left = jnp.where((pos >= lengths_B[:, None])[..., None], from_chunk, leftover_BRK)
-    return latent, entry, done, jnp.where(keep[..., None], new_left, 0.0)
+    pos = (new_len // m * m - back)[:, None] + jnp.arange(held)            # the new leftover's positions
+    keep = ((pos >= 0) & (pos < new_len[:, None]))[..., None]
+    return latent, entry, done, jnp.where(keep, fetch(pos), 0.0)
 
 
 def pool_gather_scores(q_BSJd, w_BSJ, store: CompressedKV, block_ids_BSn, block: int, visible_BS):
@@ -107,42 +132,76 @@ def pool_gather_scores(q_BSJd, w_BSJ, store: CompressedKV, block_ids_BSn, block:
 def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_start_B, published: dict,
                    stores: dict, entries_ready: bool = False):
     """One layer over the cache. `ring` = (values [B,W,K], scales [B,W,K/32]) of this layer, holding
-    positions >= window_start; `stores` maps Full layers to their CompressedKV (updated in place in the
-    dict); `entries_ready`: the compressor already wrote these tokens' entries (a CED replay).
-    Returns (y [B,S,D], ring)."""
+    positions >= window_start (FP8 bytes; V4 compat: floats and no scales); `stores` maps the layers that
+    own a compressor to their CompressedKV (updated in place in the dict); `entries_ready`: the
+    compressor already wrote these tokens' entries (a CED replay). Returns (y [B,S,D], ring)."""
     rec = attn.record
     b, s, _ = x_BSD.shape
     counts = valid_BS.sum(-1).astype(jnp.int32)
     new_len = lengths_B + counts
     inv_freq = np.asarray(attn.inv_freq, np.float32)
     qr = attn.q_norm(attn.wq_a(x_BSD))
-    q = apply_rope(attn.wq_b(qr).reshape(b, s, attn.heads, attn.head_dim), positions_BS, inv_freq)
-    kv_vals, kv_scales = quant.quantize_fp8_ue8m0_32(apply_rope(attn.kv_norm(attn.wkv(x_BSD)), positions_BS, inv_freq))
-    kv = quant.dequantize_fp8_ue8m0_32(kv_vals, kv_scales).astype(x_BSD.dtype)
+    q = attn.wq_b(qr).reshape(b, s, attn.heads, attn.head_dim)
+    if attn.q_head_eps is not None:
+        q = rms_normalize(q, attn.q_head_eps).astype(q.dtype)
+    q = apply_rope(q, positions_BS, inv_freq)
+    kv = apply_rope(attn.kv_norm(attn.wkv(x_BSD)), positions_BS, inv_freq)
+    ring_vals, ring_scales = ring
+    if ring_vals.dtype == jnp.uint8:  # the FP8 ring (V4.1)
+        kv_vals, kv_scales = quant.quantize_fp8_ue8m0_32(kv)
+        kv = quant.dequantize_fp8_ue8m0_32(kv_vals, kv_scales).astype(x_BSD.dtype)
+        kv_vals, kv_scales = quant.to_bytes(kv_vals), quant.to_bytes(kv_scales)
+        ring_keys = dequant_window(ring_vals, ring_scales).astype(kv.dtype)
+    else:
+        kv_vals, kv_scales, ring_keys = kv, jnp.zeros((b, s, 0), jnp.uint8), ring_vals.astype(kv.dtype)
 
     # Window: the ring (positions < lengths) and the new tokens.
-    ring_vals, ring_scales = ring
     ring_pos = ring_positions(lengths_B, attn.window)
-    keys_w = jnp.concatenate([dequant_window(ring_vals, ring_scales).astype(kv.dtype), kv], axis=1)
+    keys_w = jnp.concatenate([ring_keys, kv], axis=1)
     key_pos = jnp.concatenate([ring_pos, positions_BS], axis=1)
     key_ok = jnp.concatenate([ring_pos >= jnp.maximum(window_start_B, 0)[:, None], valid_BS], axis=1)
     keys_w, mask_w = window_keys(keys_w, key_pos, key_ok, positions_BS, attn.window)
     keep = valid_BS & (positions_BS >= new_len[:, None] - attn.window)
-    ring = (write_rows(ring_vals, quant.to_bytes(kv_vals), positions_BS % attn.window, keep),
-            write_rows(ring_scales, quant.to_bytes(kv_scales), positions_BS % attn.window, keep))
+    ring = (write_rows(ring_vals, kv_vals, positions_BS % attn.window, keep),
+            write_rows(ring_scales, kv_scales, positions_BS % attn.window, keep))
 
-    sel = sel_ok = None
-    if rec.ratio:
+    sel = sel_ok = shared = None
+    if rec.ratio and isinstance(attn, AttentionV4):
+        sel, sel_ok, shared = _compressed_v4(attn, x_BSD, qr, positions_BS, lengths_B, counts, stores)
+    elif rec.ratio:
         _publish_step(attn, x_BSD, qr, positions_BS, valid_BS, lengths_B, counts, published, stores, entries_ready)
         store = stores[rec.kv_source]
         picks = published[rec.index_source]["picks"]                      # [B, S, k]
         sel = dequant_entries(gather_rows(store.entries, picks), gather_rows(store.entry_scales, picks))
         sel, sel_ok = sel.astype(kv.dtype), picks >= 0
-    out = attend_step(q, keys_w, mask_w, sel, sel_ok, attn.attn_sink[...], attn.head_dim ** -0.5)
+    out = attend_step(q, keys_w, mask_w, sel, sel_ok, attn.attn_sink[...], attn.head_dim ** -0.5, shared)
     out = apply_rope(out, positions_BS, inv_freq, inverse=True)
     y = jnp.einsum("bsgi,gio->bsgo", out.reshape(b, s, attn.groups, -1).astype(attn.policy.compute_dtype),
                    attn.wo_a[...].astype(attn.policy.compute_dtype), precision=attn.policy.precision)
     return attn.wo_b(y.reshape(b, s, -1)), ring
+
+
+def _compressed_v4(attn, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, stores):
+    """A V4 CSA/HCA layer over its own store: (selected [B,S,k,K], their validity, None) for CSA, the
+    top-k of its indexer; (None, None, (entries [B,T,K], visible [B,S,T])) for HCA, every visible entry."""
+    rec, indexer = attn.record, attn.indexer
+    cinv = np.asarray(attn.compressed_inv_freq, np.float32)
+    store = stores[rec.index]
+    latent, entry, done, leftover = compress_step(attn.compressor, x_BSD, lengths_B, counts_B, store.leftover)
+    entries = write_rows(store.entries, apply_rope(latent, rec.ratio * entry, cinv), entry, done)
+    keys, index_left = store.index_keys, store.index_leftover
+    if indexer is not None:
+        latent, entry, done, index_left = compress_step(indexer.compressor, x_BSD, lengths_B, counts_B, index_left)
+        keys = write_rows(keys, apply_rope(latent, rec.ratio * entry, cinv), entry, done)
+    stores[rec.index] = dataclasses.replace(store, entries=entries, index_keys=keys, leftover=leftover,
+                                            index_leftover=index_left)
+    visible = ix.visible_entries(positions_BS, rec.ratio, entries.shape[1])
+    if indexer is None:
+        return None, None, (entries, visible)
+    b, s, _ = x_BSD.shape
+    q = apply_rope(indexer.wq_b(qr_BSQ).reshape(b, s, indexer.heads, indexer.head_dim), positions_BS, cinv)
+    picks = ix.top_k_indices(ix.lightning_scores(q, keys, indexer.weights_proj(x_BSD), visible), attn.top_k)
+    return gather_rows(entries, picks), picks >= 0, None
 
 
 def _publish_step(attn, x_BSD, qr_BSQ, positions_BS, valid_BS, lengths_B, counts_B, published, stores,
@@ -164,7 +223,8 @@ def write_entries(attn, x_BSD, lengths_B, counts_B, stores):
     pos = rec.ratio * entry
     vals, scales = quant.quantize_fp4_e4m3_16(apply_rope(latent, pos, cinv))
     kvals, kscales = quant.quantize_mxfp4(apply_rope(attn.indexer.k_norm(attn.indexer.wk(latent)), pos, cinv))
-    stores[rec.index] = CompressedKV(
+    stores[rec.index] = dataclasses.replace(
+        store,
         entries=write_rows(store.entries, quant.pack_fp4(vals), entry, done),
         entry_scales=write_rows(store.entry_scales, quant.to_bytes(scales), entry, done),
         index_keys=write_rows(store.index_keys, quant.pack_fp4(kvals), entry, done),
@@ -233,9 +293,11 @@ def window_keys(keys_BTK, key_pos_BT, key_ok_BT, positions_BS, window: int):
     return blocks(keys), mask.reshape(mask.shape[0], nb * window, 2 * window)
 
 
-def attend_step(q_BSHK, keys_w, mask_w, sel_BSkK, sel_ok_BSk, sink_H, scale: float):
+def attend_step(q_BSHK, keys_w, mask_w, sel_BSkK, sel_ok_BSk, sink_H, scale: float, shared=None):
     """One softmax with the sink over the window keys (shared by the chunk, or banded blocks from
-    `window_keys`) and each query's own selected entries; a row with nothing valid gives 0."""
+    `window_keys`), each query's own selected entries and, when given, `shared` = (keys [B, T, K],
+    mask [B, S, T]) that every query of the row may see (a V4 HCA layer's entries); a row with nothing
+    valid gives 0."""
     b, s, h, k = q_BSHK.shape
     banded = keys_w.ndim == 4
     if banded:
@@ -251,6 +313,10 @@ def attend_step(q_BSHK, keys_w, mask_w, sel_BSkK, sel_ok_BSk, sink_H, scale: flo
     if sel_BSkK is not None:
         lc = jnp.einsum("bshk,bsjk->bhsj", q_BSHK, sel_BSkK, preferred_element_type=jnp.float32, precision=HI) * scale
         parts.append(jnp.where(sel_ok_BSk[:, None], lc, NEG_INF))
+    if shared is not None:
+        keys_s, mask_s = shared
+        ls = jnp.einsum("bshk,btk->bhst", q_BSHK, keys_s, preferred_element_type=jnp.float32, precision=HI) * scale
+        parts.append(jnp.where(mask_s[:, None], ls, NEG_INF))
     sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[None, :, None, None], (*logits.shape[:-1], 1))
     combined = jnp.concatenate(parts + [sink], axis=-1)
     combined = combined - jnp.max(combined, axis=-1, keepdims=True)
@@ -265,4 +331,7 @@ def attend_step(q_BSHK, keys_w, mask_w, sel_BSkK, sel_ok_BSk, sink_H, scale: flo
     if sel_BSkK is not None:
         k = sel_BSkK.shape[2]
         out = out + jnp.einsum("bhsj,bsjk->bshk", probs[..., t:t + k].astype(sel_BSkK.dtype), sel_BSkK, precision=HI)
+        t += k
+    if shared is not None:
+        out = out + jnp.einsum("bhst,btk->bshk", probs[..., t:-1].astype(keys_s.dtype), keys_s, precision=HI)
     return out
