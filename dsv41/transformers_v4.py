@@ -9,6 +9,7 @@ parameters (the transform then returns one array per path).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 
@@ -43,11 +44,18 @@ def raw_config(c: Mapping) -> dict:
     _require(c, "n_shared_experts", (1,), "the released V4 builds one shared expert of moe_intermediate_size")
     rates = c.get("compress_rates") or {}
     arch = common_architecture(c, "v4")
+    kv_cache = {"swa_window_size": c["sliding_window"]}
+    # transformers keeps no cache format; dsv41 records V4's (for the accounting only: the model runs
+    # unquantised). Its FP8 scales are per 64 of the non-RoPE channels; a toy whose non-RoPE width is not
+    # a multiple of 64 gets the largest block that divides it.
+    nope = arch["head_dim"] - arch["rope_head_dim"]
+    if nope % 64:
+        kv_cache["global_kv_scale"] = f"ue8m0_per_{math.gcd(64, nope)}_channel"
     return {
         "model": c.get("_name_or_path") or "DeepSeek-V4 (from transformers)",
         "context_window": c["max_position_embeddings"],
         "quant": "none",  # the released V4 runs without fake quantisation
-        "kv_cache": {"swa_window_size": c["sliding_window"]},
+        "kv_cache": kv_cache,
         "v4": {
             "layer_types": [LAYER_TYPES[t] for t in types],
             "csa_ratio": rates.get("compressed_sparse_attention", 4),

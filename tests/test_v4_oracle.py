@@ -259,6 +259,16 @@ def test_router_picks_and_weights(captured):
 # Config and checkpoint errors
 
 
+def test_a_toy_rope_split_gets_a_fitting_kv_scale_block():
+    """V4 scales its FP8 non-RoPE channels per 64; a toy with 48 of them (head 64, RoPE 16) is recorded
+    with the largest block dividing 48, and one with 64 keeps V4's block."""
+    toy = transformers_io.config_from_transformers(
+        reference_config("wc", 0, head_dim=64, partial_rotary_factor=0.25).to_dict())
+    assert toy.kv_cache.global_kv_scale == "ue8m0_per_16_channel"
+    wide = transformers_io.config_from_transformers(reference_config("wc", 0).to_dict())
+    assert wide.kv_cache.global_kv_scale == "ue8m0_per_64_channel"
+
+
 def test_converted_config():
     cfg = transformers_io.config_from_transformers(reference_config("wch", 1, sliding_window=8, index_topk=8).to_dict())
     assert cfg.architecture.family == "v4" and cfg.quant == "none"
