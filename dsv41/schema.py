@@ -91,7 +91,8 @@ _V41 = {
     # The dtype policy (dsv41.nn.policy) and the prefill schedule (DESIGN §3.5): "full" runs every
     # prompt token through every layer (exact); "ced" runs them through the encoder and the decoder's
     # KV projections, and only the last decoder_replay_tokens through the decoder.
-    "runtime": {"param_dtype": "float32", "compute_dtype": "float32", "prefill_schedule": "full"},
+    # kernels (DESIGN §8, §11): auto = Pallas on TPU/GPU, the XLA reference on CPU.
+    "runtime": {"param_dtype": "float32", "compute_dtype": "float32", "prefill_schedule": "full", "kernels": "auto"},
     # Model dimensions (DESIGN §2): the block the user schema does not have.
     "architecture": {
         "family": V41,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 
-from dsv41.kernels import quant_pack, sparse_attention
+from dsv41.kernels import candidate_pool, indexer_scores, quant_pack, sparse_attention
 
 MODES = ("auto", "pallas", "pallas_interpret", "reference")
 _KERNEL_BACKENDS = ("tpu", "gpu")
@@ -82,3 +82,40 @@ def unpack_dequantize(values, scales, fmt: str, *, mode: str = "auto"):
     if impl == "reference":
         return quant_pack.unpack_dequantize_reference(values, scales, fmt)
     return quant_pack.unpack_dequantize(values, scales, fmt, interpret=impl == "pallas_interpret")
+
+
+def _indexer_body() -> str:
+    """The indexer kernels' body: the backend's own, and the Mosaic (TPU) body in interpret mode on CPU."""
+    backend = jax.default_backend()
+    return backend if backend in _KERNEL_BACKENDS else "tpu"
+
+
+def indexer_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio: int, k: int, *,
+                  mode: str = "auto"):
+    """An index source's top-k [B, S, k] over the packed key store (`indexer_scores.indexer_top_k`)."""
+    args = (q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio, k)
+    impl = resolve(mode)
+    if impl == "reference":
+        return indexer_scores.indexer_top_k_reference(*args)
+    return indexer_scores.indexer_top_k(*args, backend=_indexer_body(), interpret=impl == "pallas_interpret")
+
+
+def scores_and_pool(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio: int, *, top_k: int,
+                    max_blocks: int, block: int, mode: str = "auto"):
+    """The candidate source's (picks [B, S, top_k], pool block ids [B, S, max_blocks]) in one pass."""
+    args = (q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio)
+    kw = dict(top_k=top_k, max_blocks=max_blocks, block=block)
+    impl = resolve(mode)
+    if impl == "reference":
+        return candidate_pool.scores_and_pool_reference(*args, **kw)
+    return candidate_pool.scores_and_pool(*args, **kw, backend=_indexer_body(), interpret=impl == "pallas_interpret")
+
+
+def pool_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, block: int, positions_BS, ratio: int,
+               k: int, *, mode: str = "auto"):
+    """A Reindex layer's picks [B, S, k], scoring only the candidate pool's keys."""
+    args = (q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, block, positions_BS, ratio, k)
+    impl = resolve(mode)
+    if impl == "reference":
+        return candidate_pool.pool_top_k_reference(*args)
+    return candidate_pool.pool_top_k(*args, backend=_indexer_body(), interpret=impl == "pallas_interpret")

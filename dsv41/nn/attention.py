@@ -37,6 +37,7 @@ class Attention(nnx.Module):
         self.heads, self.head_dim, self.groups = h, k, a.o_groups
         self.window = cfg.kv_cache.swa_window_size
         self.fake_quant = cfg.quant == "qat"
+        self.kernels = cfg.runtime.kernels  # the cached step's Pallas kernels or XLA path (DESIGN §8)
         # V4's per-head query RMSNorm (unweighted); V4.1 dropped it (DESIGN §2).
         self.q_head_eps = a.norm_eps if a.q_head_norm else None
         # Static tables (tuples, not arrays: they are part of the module's structure, not its state).

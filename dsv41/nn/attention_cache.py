@@ -147,7 +147,8 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_
     q = apply_rope(q, positions_BS, inv_freq)
     kv = apply_rope(attn.kv_norm(attn.wkv(x_BSD)), positions_BS, inv_freq)
     ring_vals, ring_scales = ring
-    if ring_vals.dtype == jnp.uint8:  # the FP8 ring (V4.1)
+    quantised = ring_vals.dtype == jnp.uint8
+    if quantised:  # the FP8 ring (V4.1)
         kv_vals, kv_scales = quant.quantize_fp8_ue8m0_32(kv)
         kv = quant.dequantize_fp8_ue8m0_32(kv_vals, kv_scales).astype(x_BSD.dtype)
         kv_vals, kv_scales = quant.to_bytes(kv_vals), quant.to_bytes(kv_scales)
@@ -165,16 +166,21 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_
     ring = (write_rows(ring_vals, kv_vals, positions_BS % attn.window, keep),
             write_rows(ring_scales, kv_scales, positions_BS % attn.window, keep))
 
-    sel = sel_ok = shared = None
+    sel = sel_ok = shared = picks = None
+    banded = keys_w.ndim == 4
     if rec.ratio and isinstance(attn, AttentionV4):
         sel, sel_ok, shared = _compressed_v4(attn, x_BSD, qr, positions_BS, lengths_B, counts, stores)
     elif rec.ratio:
         _publish_step(attn, x_BSD, qr, positions_BS, valid_BS, lengths_B, counts, published, stores, entries_ready)
         store = stores[rec.kv_source]
         picks = published[rec.index_source]["picks"]                      # [B, S, k]
-        sel = dequant_entries(gather_rows(store.entries, picks), gather_rows(store.entry_scales, picks))
-        sel, sel_ok = sel.astype(kv.dtype), picks >= 0
-    out = attend_step(q, keys_w, mask_w, sel, sel_ok, attn.attn_sink[...], attn.head_dim ** -0.5, shared)
+        if not quantised or kernel_impl(attn) == "reference" or banded:
+            sel = dequant_entries(gather_rows(store.entries, picks), gather_rows(store.entry_scales, picks))
+            sel, sel_ok = sel.astype(kv.dtype), picks >= 0
+    if sel is not None or shared is not None or not quantised or kernel_impl(attn) == "reference" or banded:
+        out = attend_step(q, keys_w, mask_w, sel, sel_ok, attn.attn_sink[...], attn.head_dim ** -0.5, shared)
+    else:  # the Pallas kernel reads the bytes themselves: [ring | new tokens] and the picked entries
+        out = _attend_kernel(attn, q, (ring_vals, ring_scales), (kv_vals, kv_scales), mask_w, picks, stores)
     out = apply_rope(out, positions_BS, inv_freq, inverse=True)
     y = jnp.einsum("bsgi,gio->bsgo", out.reshape(b, s, attn.groups, -1).astype(attn.policy.compute_dtype),
                    attn.wo_a[...].astype(attn.policy.compute_dtype), precision=attn.policy.precision)
@@ -244,6 +250,21 @@ def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
     w = indexer.weights_proj(x_BSD)
     visible_count = (positions_BS + 1) // rec.ratio
     mine = published.setdefault(rec.index, {})
+    impl = kernel_impl(attn)
+    if impl != "reference" and (rec.candidate_source is None or s == 1):
+        from dsv41.kernels import dispatch  # noqa: PLC0415 (the kernels import this module)
+
+        args = (qI, w, store.index_keys, store.index_scales)
+        if rec.candidate_source is not None:  # Reindex decode: the pool's keys only
+            mine["picks"] = dispatch.pool_top_k(*args, published[rec.candidate_source]["pool_ids"],
+                                                attn.pool_block_size, positions_BS, rec.ratio, attn.top_k, mode=impl)
+        elif attn.builds_pool:
+            mine["picks"], mine["pool_ids"] = dispatch.scores_and_pool(
+                *args, positions_BS, rec.ratio, top_k=attn.top_k, max_blocks=attn.pool_max_blocks,
+                block=attn.pool_block_size, mode=impl)
+        else:
+            mine["picks"] = dispatch.indexer_top_k(*args, positions_BS, rec.ratio, attn.top_k, mode=impl)
+        return
     if rec.candidate_source is not None and s == 1:
         # Decode: score only the pool's keys (the Reindex promise, DESIGN §3.4).
         pool_ids = published[rec.candidate_source]["pool_ids"]
@@ -335,3 +356,29 @@ def attend_step(q_BSHK, keys_w, mask_w, sel_BSkK, sel_ok_BSk, sink_H, scale: flo
     if shared is not None:
         out = out + jnp.einsum("bhst,btk->bshk", probs[..., t:-1].astype(keys_s.dtype), keys_s, precision=HI)
     return out
+
+
+def kernel_impl(attn) -> str:
+    """What `runtime.kernels` selects on this backend: 'pallas', 'pallas_interpret' or 'reference'."""
+    from dsv41.kernels import dispatch  # noqa: PLC0415 (the kernels import this module)
+
+    return dispatch.resolve(attn.kernels)
+
+
+def _attend_kernel(attn, q_BSHK, ring, new, mask_w, picks_BSk, stores):
+    """`attend_step` through the sparse-attention kernel: the window keys as stored bytes (the ring, then
+    the new tokens' FP8 bytes; `mask_w` [B, S, W+S] says which each query sees) and the picked entries
+    read from the layer's packed store (a window-only layer passes no picks)."""
+    from dsv41.kernels import dispatch  # noqa: PLC0415 (the kernels import this module)
+
+    b, s, _, k = q_BSHK.shape
+    values = jnp.concatenate([ring[0], new[0]], axis=1)
+    scales = jnp.concatenate([ring[1], new[1]], axis=1)
+    if picks_BSk is None:
+        entries, entry_scales = jnp.zeros((b, 1, k // 2), jnp.uint8), jnp.zeros((b, 1, k // 16), jnp.uint8)
+        picks_BSk = jnp.full((b, s, 1), -1, jnp.int32)
+    else:
+        store = stores[attn.record.kv_source]
+        entries, entry_scales = store.entries, store.entry_scales
+    return dispatch.sparse_attention_chunk(q_BSHK, values, scales, mask_w, entries, entry_scales, picks_BSk,
+                                           attn.attn_sink[...], attn.head_dim ** -0.5, mode=kernel_impl(attn))
