@@ -132,6 +132,10 @@ def cmd_generate(args) -> int:
                    stop_tokens=stop, vocab_limit=tok.vocab_size)
     generate_lib.check_request(cfg, [prompt], chunk=512, **request)  # before the slow part: bad input fails fast
     params = model.init_params(cfg, jax.random.key(args.seed))
+    if args.prefix_cache is not None:
+        from dsv41.prefix_cache import PrefixCache
+
+        request["prefix_cache"] = PrefixCache(cfg, params, args.prefix_cache)
 
     bar = tqdm(total=len(prompt), desc="prefill", unit="tok", file=sys.stderr, leave=False)
     stream, times = tok.stream(), []
@@ -228,6 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeatable)")
     p.add_argument("--seed", type=int, default=0, metavar="N",
                    help="seeds the parameters and the sampling (default: 0)")
+    p.add_argument("--prefix-cache", metavar="DIR",
+                   help="reuse and store the global KV of prompt prefixes in DIR (DESIGN §7; V4.1)")
     p.set_defaults(func=cmd_generate)
     return parser
 

@@ -12,6 +12,7 @@ import ast
 import importlib.resources
 import importlib.util
 import json
+import math
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -292,7 +293,14 @@ def validate(cfg) -> None:
         _validate_v4(cfg)
     from dsv41 import plan  # the plan rules (sources before use) live with the plan
 
-    plan.layer_plan(cfg)
+    records = plan.layer_plan(cfg)
+    ratios = sorted({r.ratio for r in records if r.ratio})
+    step = math.lcm(*ratios) if ratios else 1
+    block = cfg.kv_cache.persistent_cache.block_tokens
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0 or block % step:
+        raise ConfigError("kv_cache.persistent_cache.block_tokens", block,
+                          f"expected a positive multiple of {step} (the compression ratios {ratios}): a block "
+                          "boundary must close every compressor group")
 
 
 def _validate_common(cfg) -> None:

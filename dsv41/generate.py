@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41 import model as model_lib
 from dsv41.cache import init_cache
 from dsv41.plan import layer_plan
 from dsv41.steps import decode, prefill
@@ -24,40 +25,51 @@ from dsv41.steps import decode, prefill
 
 def generate(params, cfg, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              stop_tokens=(), seed: int = 0, chunk: int = 512, vocab_limit: int | None = None, token_map=None,
-             on_token=None, on_prefill_progress=None) -> list[int]:
+             on_token=None, on_prefill_progress=None, prefix_cache=None) -> list[int]:
     """The ids generated after `prompt_ids` (a list of ints), at most max_new_tokens of them.
 
     vocab_limit: draw only ids below it (a tokenizer smaller than the embedding, whose padding rows an
     untrained model would otherwise draw). token_map: the Engram token map (`steps.prefill`).
     on_token(id) is called as each id is drawn (not for a stop token); on_prefill_progress(done, total)
-    after each prefill chunk, in prompt tokens.
+    after each prefill chunk, in prompt tokens. prefix_cache: a `dsv41.prefix_cache.PrefixCache` of these
+    params and config: the prompt's cached prefix is restored and its new blocks are saved (DESIGN §7).
     """
     emit = None if on_token is None else (lambda row, token: on_token(token))
     return _generate(params, cfg, [prompt_ids], max_new_tokens=max_new_tokens, temperature=temperature,
                      top_p=top_p, stop_tokens=stop_tokens, seed=seed, chunk=chunk, vocab_limit=vocab_limit,
-                     token_map=token_map, on_token=emit, on_prefill_progress=on_prefill_progress)[0]
+                     token_map=token_map, on_token=emit, on_prefill_progress=on_prefill_progress,
+                     prefix_cache=prefix_cache)[0]
 
 
 def generate_batch(params, cfg, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                    stop_tokens=(), seed: int = 0, chunk: int = 512, vocab_limit: int | None = None,
-                   token_map=None, on_prefill_progress=None) -> list[list[int]]:
+                   token_map=None, on_prefill_progress=None, prefix_cache=None) -> list[list[int]]:
     """`generate` for several prompts (lists of ids, any lengths) in one batch: a list of outputs.
 
     Each row stops on its own; finished rows keep stepping (on a dummy token) until all are done.
     """
     return _generate(params, cfg, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                      stop_tokens=stop_tokens, seed=seed, chunk=chunk, vocab_limit=vocab_limit, token_map=token_map,
-                     on_token=None, on_prefill_progress=on_prefill_progress)
+                     on_token=None, on_prefill_progress=on_prefill_progress, prefix_cache=prefix_cache)
 
 
 def _generate(params, cfg, prompts, *, max_new_tokens, temperature, top_p, stop_tokens, seed, chunk, vocab_limit,
-              token_map, on_token, on_prefill_progress):
+              token_map, on_token, on_prefill_progress, prefix_cache=None):
     prompts = [list(p) for p in prompts]
     stop = set(check_request(cfg, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              stop_tokens=stop_tokens, chunk=chunk, vocab_limit=vocab_limit))
-    cache = init_cache(cfg, len(prompts), cache_length(cfg, max(map(len, prompts)) + max_new_tokens))
-    logits_BV, cache = prefill_chunked(params, cfg, cache, prompts, chunk=chunk, token_map=token_map,
-                                       on_progress=on_prefill_progress)
+    max_len = cache_length(cfg, max(map(len, prompts)) + max_new_tokens)
+    if prefix_cache is not None:
+        if prefix_cache.params is not params or model_lib.config_key(prefix_cache.cfg) != model_lib.config_key(cfg):
+            raise ValueError("prefix_cache: built for other parameters or another config: expected a PrefixCache "
+                             "of the params and config being generated with")
+        logits_BV, cache, _ = prefix_cache.prefill(prompts, max_len, chunk=chunk)
+        if on_prefill_progress is not None:
+            on_prefill_progress(max(map(len, prompts)), max(map(len, prompts)))
+    else:
+        cache = init_cache(cfg, len(prompts), max_len)
+        logits_BV, cache = prefill_chunked(params, cfg, cache, prompts, chunk=chunk, token_map=token_map,
+                                           on_progress=on_prefill_progress)
     key = jax.random.key(seed)
     outputs = [[] for _ in prompts]
     done = np.zeros(len(prompts), bool)

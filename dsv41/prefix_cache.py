@@ -42,17 +42,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dsv41 import engram_hash, schema, steps
-from dsv41 import model as model_lib
 from dsv41.cache import Cache, init_cache
 from dsv41.errors import ConfigError
 from dsv41.plan import layer_plan
 
 MAGIC = b"DSV41KV1"
 DIGEST = 32  # sha256
-DEFAULT_BLOCK_TOKENS = 256
 DEFAULT_DISK_BUDGET = 64 << 30
 DEFAULT_POOL_BUDGET = 4 << 30
 # Hashing every weight byte of a full-size model (~1 TB) at start-up is not an option; above this size
@@ -326,7 +323,7 @@ class PrefixCache:
         self.cfg, self.params, self.token_map = cfg, params, token_map
         pc = cfg.kv_cache.persistent_cache
         if block_tokens is None:
-            block_tokens = pc.get("block_tokens", DEFAULT_BLOCK_TOKENS)
+            block_tokens = pc.block_tokens
         ratios = sorted({r.ratio for r in layer_plan(cfg) if r.ratio})
         step = math.lcm(*ratios) if ratios else 1
         if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens <= 0 \
@@ -540,8 +537,7 @@ class PrefixCache:
             infos[row].replayed = (n, min(dec, n))
             self.counters.replays += 1
         ids = self._engram_ids(prompts, n_cached, tokens, counts)
-        return _replay(model_lib.config_key(self.cfg), self.params, cache, jnp.asarray(tokens),
-                       jnp.asarray(counts), ids, dec)
+        return steps.replay(self.params, self.cfg, cache, tokens, counts, decoder_tokens=dec, engram_ids_BRLC=ids)
 
     def _engram_ids(self, prompts, n_cached, tokens, counts):
         e = self.cfg.architecture.engram
@@ -599,47 +595,3 @@ class PrefixCache:
             logits, cache = steps.prefill(self.params, self.cfg, cache, tokens, counts, token_map=self.token_map,
                                           final=final and k == calls - 1)
         return logits, cache
-
-
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
-def _replay(key, params, cache: Cache, tokens_BR, counts_B, engram_ids_BRLC, dec: int):
-    """Each row's last counts[b] restored tokens (left-aligned in tokens_BR) through the encoder, and the
-    last min(counts[b], dec) of them through the decoder; every window truncated to its replayed span
-    (window_start = the span's first position). Full layers read the restored entries and never write
-    them (entries_ready). Returns the cache with rebuilt rings; lengths and global KV unchanged."""
-    model = nnx.merge(model_lib._graphdef(key), params)
-    cfg = model_lib._config(key)
-    plan = layer_plan(cfg)
-    encoder = [r.index for r in plan if r.stage == "encoder"]
-    decoder = [r.index for r in plan if r.stage == "decoder"]
-    ready = tuple(r.index for r in plan if r.stores_entries)
-
-    def run(model):
-        b, s = tokens_BR.shape
-        start = cache.lengths - counts_B
-        positions = start[:, None] + jnp.arange(s, dtype=jnp.int32)
-        valid = jnp.arange(s) < counts_B[:, None]
-        rings, starts, stores = steps._state(cfg, cache)
-        published: dict = {}
-        for i in encoder:
-            starts[i] = jnp.where(counts_B > 0, start, starts[i])
-        x, pre = steps._embed(model, tokens_BR)
-        x, pre = steps._layers(model, encoder, x, pre, tokens_BS=tokens_BR, positions=positions, valid=valid,
-                               lengths=start, published=published, stores=stores, ids=engram_ids_BRLC,
-                               rings=rings, starts=starts, entries_ready=ready)
-        if not dec:
-            return steps._finish(cfg, cache, cache.lengths, rings, starts, stores, published, counts_B * 0)
-        n = jnp.minimum(counts_B, dec)
-        first = counts_B - n
-        idx = jnp.clip(first[:, None] + jnp.arange(dec), 0, s - 1)
-        rows = jnp.arange(b)[:, None]
-        dstart = cache.lengths - n
-        for i in decoder:
-            starts[i] = jnp.where(n > 0, dstart, starts[i])
-        ids = None if engram_ids_BRLC is None else engram_ids_BRLC[rows, idx]
-        steps._layers(model, decoder, x[rows, idx], pre[rows, idx], tokens_BS=tokens_BR[rows, idx],
-                      positions=positions[rows, idx], valid=jnp.arange(dec) < n[:, None], lengths=dstart,
-                      published=published, stores=stores, ids=ids, rings=rings, starts=starts, entries_ready=ready)
-        return steps._finish(cfg, cache, cache.lengths, rings, starts, stores, published, n)
-
-    return nnx.capture(run, nnx.Intermediate)(model)[0]

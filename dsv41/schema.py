@@ -31,6 +31,8 @@ _PERSISTENT_CACHE = {
     "global_kv_ttl_hours": 72.0,
     "swa_kv_location": "host_dram_pool",
     "swa_kv_ttl_minutes": 5.0,
+    # dsv41 addition: tokens per persisted block (a multiple of every compression ratio; DESIGN §7).
+    "block_tokens": 256,
 }
 
 # Group records inside csa2.*.groups: `compression_ratio` is optional and, when given, must equal

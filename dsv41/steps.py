@@ -84,6 +84,18 @@ def decode(params, cfg, cache: Cache, next_tokens, *, token_map=None):
     return prefill(params, cfg, cache, next_tokens[:, None], token_map=token_map)
 
 
+def replay(params, cfg, cache: Cache, tokens_BR, counts_B, *, decoder_tokens: int, engram_ids_BRLC=None) -> Cache:
+    """SWA bounded replay (DESIGN §7): rebuilds the window rings of a cache whose global KV was restored.
+
+    Row b's last counts_B[b] cached tokens (left-aligned in tokens_BR [B, R]) run through the encoder, the
+    last min(counts_B[b], decoder_tokens) of them through the decoder, every window truncated to its
+    replayed span. The Full layers read the restored entries and never rewrite them; lengths and global KV
+    are unchanged. engram_ids_BRLC: the replayed tokens' Engram ids (their n-grams reach before the span).
+    """
+    return _replay(model_lib.config_key(cfg), params, cache, jnp.asarray(tokens_BR, jnp.int32),
+                   jnp.asarray(counts_B, jnp.int32), engram_ids_BRLC, int(decoder_tokens))
+
+
 def _engram(cfg, cache, tokens, counts, held, token_map):
     e = cfg.architecture.engram
     if not list(e.layers):
@@ -210,5 +222,49 @@ def _ced(key, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC, replay
         x, pre = _layers(model, decoder, x[rows, idx], pre[rows, idx], tokens_BS[rows, idx], positions[rows, idx],
                          replay_valid, start, published, stores, ids, rings, starts, entries_ready=(source,))
         return _head(model, x, pre, n), _finish(cfg, cache, new_len, rings, starts, stores, published, n)
+
+    return nnx.capture(run, nnx.Intermediate)(model)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
+def _replay(key, params, cache: Cache, tokens_BR, counts_B, engram_ids_BRLC, dec: int):
+    """Each row's last counts[b] restored tokens (left-aligned in tokens_BR) through the encoder, and the
+    last min(counts[b], dec) of them through the decoder; every window truncated to its replayed span
+    (window_start = the span's first position). Full layers read the restored entries and never write
+    them (entries_ready). Returns the cache with rebuilt rings; lengths and global KV unchanged."""
+    model = nnx.merge(model_lib._graphdef(key), params)
+    cfg = model_lib._config(key)
+    plan = layer_plan(cfg)
+    encoder = [r.index for r in plan if r.stage == "encoder"]
+    decoder = [r.index for r in plan if r.stage == "decoder"]
+    ready = tuple(r.index for r in plan if r.stores_entries)
+
+    def run(model):
+        b, s = tokens_BR.shape
+        start = cache.lengths - counts_B
+        positions = start[:, None] + jnp.arange(s, dtype=jnp.int32)
+        valid = jnp.arange(s) < counts_B[:, None]
+        rings, starts, stores = _state(cfg, cache)
+        published: dict = {}
+        for i in encoder:
+            starts[i] = jnp.where(counts_B > 0, start, starts[i])
+        x, pre = _embed(model, tokens_BR)
+        x, pre = _layers(model, encoder, x, pre, tokens_BS=tokens_BR, positions=positions, valid=valid,
+                               lengths=start, published=published, stores=stores, ids=engram_ids_BRLC,
+                               rings=rings, starts=starts, entries_ready=ready)
+        if not dec:
+            return _finish(cfg, cache, cache.lengths, rings, starts, stores, published, counts_B * 0)
+        n = jnp.minimum(counts_B, dec)
+        first = counts_B - n
+        idx = jnp.clip(first[:, None] + jnp.arange(dec), 0, s - 1)
+        rows = jnp.arange(b)[:, None]
+        dstart = cache.lengths - n
+        for i in decoder:
+            starts[i] = jnp.where(n > 0, dstart, starts[i])
+        ids = None if engram_ids_BRLC is None else engram_ids_BRLC[rows, idx]
+        _layers(model, decoder, x[rows, idx], pre[rows, idx], tokens_BS=tokens_BR[rows, idx],
+                      positions=positions[rows, idx], valid=jnp.arange(dec) < n[:, None], lengths=dstart,
+                      published=published, stores=stores, ids=ids, rings=rings, starts=starts, entries_ready=ready)
+        return _finish(cfg, cache, cache.lengths, rings, starts, stores, published, n)
 
     return nnx.capture(run, nnx.Intermediate)(model)[0]

@@ -333,3 +333,34 @@ def test_block_size_must_close_every_group(model):
     cfg, params, _ = model
     with pytest.raises(dsv41.ConfigError, match=r"block_tokens' = 33: expected a positive multiple of 2"):
         pc_lib.PrefixCache(cfg, params, None, block_tokens=33)
+
+
+# ------------------------------------------------------------------------------------------------
+# Through generate: a conversation
+
+
+def test_a_second_turn_reuses_the_first_turns_prefix(model, tmp_path):
+    """Turn 1 (40 prompt tokens, 88 generated) stores block 0 and its rings; turn 2 resends turn 1's
+    prompt and the first 40 generated tokens plus 20 new ones: block 0 comes from the store and its
+    rings from the pool, and the generated tokens equal a cold run's (both at one cache size, 128)."""
+    from dsv41 import generate as generate_lib
+
+    cfg, params, prompt = model
+    pc = pc_lib.PrefixCache(cfg, params, tmp_path, block_tokens=BLOCK, clock=Clock())
+    first = generate_lib.generate(params, cfg, prompt[:40], max_new_tokens=88, chunk=CHUNK, prefix_cache=pc)
+    assert (pc.counters.writes, pc.counters.hits) == (1, 0)
+    second_prompt = prompt[:40] + first[:40] + prompt[40:60]
+    second = generate_lib.generate(params, cfg, second_prompt, max_new_tokens=28, chunk=CHUNK, prefix_cache=pc)
+    assert (pc.counters.hits, pc.counters.pool_hits, pc.counters.replays) == (1, 1, 0)
+    assert pc.counters.writes == 3  # blocks 1 and 2 of turn 2's prompt, for the next turn
+    cold = generate_lib.generate(params, cfg, second_prompt, max_new_tokens=28, chunk=CHUNK)
+    assert second == cold
+
+
+def test_a_prefix_cache_of_other_params_is_refused(model, tmp_path):
+    from dsv41 import generate as generate_lib
+
+    cfg, params, prompt = model
+    pc = pc_lib.PrefixCache(cfg, jax.tree.map(lambda x: x, params), tmp_path, block_tokens=BLOCK)
+    with pytest.raises(ValueError, match="prefix_cache: built for other parameters"):
+        generate_lib.generate(params, cfg, prompt[:40], max_new_tokens=4, chunk=CHUNK, prefix_cache=pc)

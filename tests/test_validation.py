@@ -178,3 +178,9 @@ def test_group_records(v41_raw, write_config):
     raw = copy.deepcopy(v41_raw)
     raw["csa2"]["encoder"]["groups"][0]["size"] = "6"
     _assert_names(_load_error(write_config, raw), "csa2.encoder.groups.0.size", "'6'", "expected int")
+
+
+def test_prefix_cache_blocks_must_close_every_compressor_group(v41_raw, write_config):
+    v41_raw["kv_cache"]["persistent_cache"]["block_tokens"] = 255
+    _assert_names(_load_error(write_config, v41_raw), "kv_cache.persistent_cache.block_tokens", "= 255",
+                  "expected a positive multiple of 2", "compression ratios [1, 2]")
