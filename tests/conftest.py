@@ -1,5 +1,10 @@
 import json
+import os
 from pathlib import Path
+
+# The tests run JAX on the CPU. With libtpu installed (the `tpu` extra, for ahead-of-time TPU compiles in
+# subprocesses) JAX would otherwise probe for TPU hardware first and log errors on a machine without it.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest
 
