@@ -1,0 +1,79 @@
+"""Training checkpoints (DESIGN §10): orbax CheckpointManager over the TrainState and the data position.
+
+A step directory holds two items: "state" (the TrainState pytree: params, optimiser moments, step,
+balance bias) and "data" (the data iterator's JSON state), so a resumed run sees exactly the batches
+the uninterrupted run would have. Saves are asynchronous; orbax writes each step into a
+`<step>.orbax-checkpoint-tmp*` directory and renames it when complete, so a run killed mid-save
+leaves an unfinalised directory that `latest_step` ignores (the last complete step is resumed).
+`restore` takes target shardings from an abstract state: a checkpoint written on one mesh is read
+onto another (each array is read straight into its target sharding).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class Checkpointer:
+    """Save every `every` steps (async), keep the newest `keep`, resume from the newest complete one."""
+
+    def __init__(self, directory: str | Path, every: int = 100, keep: int = 3):
+        if every < 1:
+            raise ValueError(f"every: {every}: expected a save interval of at least 1 step")
+        if keep < 1:
+            raise ValueError(f"keep: {keep}: expected to keep at least 1 checkpoint")
+        options = ocp.CheckpointManagerOptions(save_interval_steps=every, max_to_keep=keep,
+                                               enable_async_checkpointing=True, create=True)
+        self.directory = Path(directory).absolute()
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
+
+    def latest_step(self) -> int | None:
+        """The newest complete (finalised) step, or None."""
+        return self.manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self.manager.all_steps())
+
+    def save(self, step: int, state, data_state: dict, force: bool = False) -> bool:
+        """Starts an async save when `step` is on the interval (or `force`); True if one started."""
+        return self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=force)
+
+    def restore(self, abstract_state, step: int | None = None, shardings=None):
+        """(state, data_state) of `step` (default: the newest complete one).
+
+        abstract_state: a pytree of jax.ShapeDtypeStruct (`train.abstract_state`) giving the structure;
+        shardings: a matching pytree of jax.sharding.Sharding to place each array (default: the
+        abstract leaves' own `.sharding`, else one device).
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"{self.directory}: no complete checkpoint: expected at least one saved step")
+        if shardings is not None:
+            abstract_state = jax.tree.map(
+                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings)
+        else:
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            abstract_state = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None) or device),
+                abstract_state)
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        return out["state"], out["data"]
+
+    def wait(self) -> None:
+        """Blocks until the pending async save is finalised."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,502 @@
+"""Continued training of the compressed architecture (DESIGN §10).
+
+One optimiser step is the pure, jitted `train_step(state, batch) -> (state, metrics)`:
+- next-token cross-entropy on the decoder outputs, averaged over the tokens the batch's `loss_mask`
+  marks (the response of a prompt/response example; see `dsv41.data` for the split rules);
+- the lightning indexer trained by a KL loss toward the main attention (V3.2's DSA recipe): for each
+  Full/Reindex layer and query t, the target p[t, :] is the layer's main attention probability on each
+  selectable compressed entry summed over heads and L1-normalised, under stop-gradient; the indexer
+  sees a detached input, so this loss trains only the indexer and the indexer gets no other gradient
+  (its top-k is not differentiable);
+- fake quantisation with straight-through gradients (`quant = "qat"`, inside the model's forward);
+- AdamW with linear warm-up and cosine decay, global-norm clipping, gradient accumulation by a scan
+  over micro-batches (the accumulated gradient equals the whole batch's);
+- the MoE selection bias (`BalanceBias`) moved outside the gradient after the step, as DeepSeek-V3:
+  bias_e += γ · sign(mean load − load_e);
+- rematerialisation: `remat="block"` recomputes each layer in the backward pass (jax.checkpoint per
+  block), `"dots"` keeps only the matmul outputs of each block, `"none"` keeps everything.
+Only `nnx.Param` leaves are differentiated and updated by the optimiser; the other variables
+(`BalanceBias`, V4's fixed `HashRoute` tables) travel in `TrainState.buffers`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dsv41 import model as model_lib
+from dsv41 import schema
+from dsv41.errors import ConfigError
+from dsv41.nn import indexer as ix
+from dsv41.nn import mhc
+from dsv41.nn.moe import BalanceBias
+from dsv41.nn.rope import apply_rope
+from dsv41.plan import FULL, REINDEX, layer_plan
+
+REMAT = ("none", "block", "dots")
+KL_OVER = ("selectable", "selected")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser and loss settings (the model itself comes from the dsv41 config).
+
+    kl_over: "selectable" — the KL runs over every entry the layer may select from (visible, and in
+    the candidate pool for Reindex layers), V3.2's dense warm-up; "selected" — over the top-k the layer
+    actually attends, V3.2's sparse stage.
+    """
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    total_steps: int = 1000  # the cosine's horizon; training may stop earlier
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    grad_accum: int = 1
+    indexer_kl_weight: float = 1.0
+    kl_over: str = "selectable"
+    balance_rate: float = 1e-3  # γ of the bias update (DeepSeek-V3 uses 1e-3)
+    remat: str = "none"
+    freeze_main: bool = False  # V3.2's indexer warm-up: only the indexer trains, on the KL alone
+
+    def __post_init__(self):
+        checks = [("warmup_steps", self.warmup_steps >= 0, "at least 0"),
+                  ("total_steps", self.total_steps > 0, "a positive step count"),
+                  ("grad_accum", self.grad_accum >= 1, "at least 1"),
+                  ("learning_rate", self.learning_rate > 0, "a positive rate"),
+                  ("clip_norm", self.clip_norm > 0, "a positive norm"),
+                  ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+                  ("indexer_kl_weight", self.indexer_kl_weight >= 0, "at least 0"),
+                  ("balance_rate", self.balance_rate >= 0, "at least 0"),
+                  ("remat", self.remat in REMAT, f"one of {REMAT}"),
+                  ("kl_over", self.kl_over in KL_OVER, f"one of {KL_OVER}")]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ConfigError(f"train.{name}", getattr(self, name), f"expected {expected}")
+
+    def replace(self, overrides: dict) -> "TrainConfig":
+        """A copy with `{field: value}` overrides (strings from the command line are converted)."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        out = {}
+        for name, value in overrides.items():
+            if name not in fields:
+                raise ConfigError(f"train.{name}", value, f"unknown field; expected one of {sorted(fields)}")
+            kind = type(getattr(self, name))
+            try:
+                out[name] = kind(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"train.{name}", value, f"expected {kind.__name__}") from None
+        return dataclasses.replace(self, **out)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    """params: the nnx.Param leaves; buffers: the other variables (BalanceBias, HashRoute)."""
+    params: nnx.State
+    opt_state: optax.OptState
+    step: jax.Array
+    buffers: nnx.State
+
+
+def schedule(tc: TrainConfig) -> optax.Schedule:
+    """Linear warm-up to `learning_rate`, then cosine decay to `min_lr_ratio · learning_rate`."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, tc.learning_rate, tc.warmup_steps, max(tc.total_steps, tc.warmup_steps + 1),
+        tc.learning_rate * tc.min_lr_ratio)
+
+
+def optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW; matrices decay, vectors (norms, sinks, mHC bias/scale) do not."""
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                       optax.adamw(schedule(tc), tc.b1, tc.b2, tc.eps, weight_decay=tc.weight_decay,
+                                   mask=decay_mask))
+
+
+def split_variables(variables: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(Param leaves, everything else) of `init_params`' state."""
+    return nnx.split_state(variables, nnx.Param, ...)
+
+
+def init_state(cfg, tc: TrainConfig, key: jax.Array) -> TrainState:
+    """A fresh TrainState: `init_params(cfg, key)`, zero optimiser moments, step 0."""
+    params, buffers = split_variables(model_lib.init_params(cfg, key))
+    return TrainState(params, optimizer(tc).init(params), jnp.zeros((), jnp.int32), buffers)
+
+
+def abstract_state(cfg, tc: TrainConfig) -> TrainState:
+    """Shapes and dtypes of a TrainState, nothing allocated."""
+    return jax.eval_shape(lambda: init_state(cfg, tc, jax.random.key(0)))
+
+
+# ------------------------------------------------------------------------------------------------
+# The forward with what the losses need
+
+
+def _rows(recorded) -> list[dict]:
+    """Per layer {name: array} of what the layer sowed (`forward_with_intermediates` keys)."""
+    out = []
+    for layer in recorded:
+        flat = {}
+        for path, v in nnx.to_flat_state(layer):
+            value = v.get_value()
+            flat[path[-1]] = value[0] if isinstance(value, tuple) else value  # sow appends to a tuple
+        out.append(flat)
+    return out
+
+
+def _forward_records(model, tokens_BS, positions_BS, remat: str):
+    """(logits [B,S,V], per-layer records) — the model's own __call__, or per-block checkpointed."""
+    if remat == "none":
+        logits, recorded = nnx.capture(model, nnx.Intermediate)(tokens_BS, positions_BS, None)
+        return logits, _rows([recorded["layers"][i] for i in range(len(model.layers))])
+    # Per-block rematerialisation: the same loop as `Transformer.__call__`, each block a checkpointed
+    # pure function of (its variables, the streams, what earlier layers published).
+    policy = None if remat == "block" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    x = jnp.take(model.embed[...], tokens_BS, axis=0)
+    x_BSND = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], model.streams, x.shape[-1]))
+    pre = jax.nn.one_hot(jnp.zeros(tokens_BS.shape, jnp.int32), model.streams, dtype=jnp.float32)
+    published: dict = {}
+    rows = []
+    for layer in model.layers:
+        graphdef, variables = nnx.split(layer)
+
+        @functools.partial(jax.checkpoint, policy=policy)
+        def block(variables, x_BSND, pre, published):
+            layer = nnx.merge(graphdef, variables)
+            published = dict(published)
+            (x_BSND, pre), recorded = nnx.capture(layer, nnx.Intermediate)(
+                x_BSND, pre, lambda attn, h: attn(h, positions_BS, published), None, tokens_BS)
+            return x_BSND, pre, published, recorded
+
+        x_BSND, pre, published, recorded = block(variables, x_BSND, pre, published)
+        rows.extend(_rows([recorded]))
+    h = model.norm(model.hc_head(x_BSND) if model.hc_head is not None else mhc.collapse(x_BSND, pre))
+    return model.head(h).astype(jnp.float32), rows
+
+
+def indexer_kl(model, rows: list[dict], positions_BS, kl_over: str):
+    """(Σ KL, number of query rows) over the Full/Reindex layers (V4.1), in fp32.
+
+    Per layer and query t with at least one selectable entry:
+      p = Σ_h softmax([window | selectable entries | sink])_h restricted to the entries, L1-normalised,
+      KL(p ‖ softmax(I restricted to the same entries)).
+    Everything on the main path is under stop-gradient; only the indexer's query, weights and keys
+    (for the keys: of the kv_source's indexer) receive gradients.
+    """
+    total, count = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
+    sg = jax.lax.stop_gradient
+    for block, row in zip(model.layers, rows):
+        attn = block.attn
+        rec = attn.record
+        if rec.mode not in (FULL, REINDEX) or attn.indexer is None:
+            continue
+        inv = np.asarray(attn.inv_freq, np.float32)
+        cinv = np.asarray(attn.compressed_inv_freq, np.float32)
+        x = sg(block.attn_norm(row["attn_input"]))
+        qr = sg(attn.q_norm(attn.wq_a(x)))
+        b, s, _ = x.shape
+        q = apply_rope(attn.wq_b(qr).reshape(b, s, attn.heads, attn.head_dim), positions_BS, inv)
+        entries = sg(rows[rec.kv_source]["entries"]).astype(q.dtype)
+        n = entries.shape[1]
+        visible = ix.visible_entries(positions_BS, rec.ratio, n)
+        if kl_over == "selected":
+            allowed = ix.indices_to_mask(row["picks"], n)
+        elif rec.candidate_source is not None:
+            pool = rows[rec.candidate_source]["pool_blocks"]
+            allowed = visible & ix.blocks_to_entries(pool, attn.pool_block_size, n)
+        else:
+            allowed = visible
+        # Target: the main attention's own softmax (window keys, entries, sink) as `attend` computes it.
+        window = row["window_kv"]
+        scale = attn.head_dim ** -0.5
+        hi = jax.lax.Precision.HIGHEST
+        win_logits = jnp.einsum("bshk,btk->bhst", q, window, precision=hi, preferred_element_type=jnp.float32)
+        ent_logits = jnp.einsum("bshk,btk->bhst", q, entries, precision=hi, preferred_element_type=jnp.float32)
+        win_mask = (positions_BS[:, :, None] - positions_BS[:, None, :] >= 0) & (
+            positions_BS[:, :, None] - positions_BS[:, None, :] < attn.window)
+        sink = jnp.broadcast_to(attn.attn_sink[...].astype(jnp.float32)[None, :, None, None], (b, attn.heads, s, 1))
+        logits = jnp.concatenate([jnp.where(win_mask[:, None], win_logits * scale, -jnp.inf),
+                                  jnp.where(allowed[:, None], ent_logits * scale, -jnp.inf), sink], axis=-1)
+        probs = jax.nn.softmax(logits, axis=-1)[..., s:s + n].sum(axis=1)  # [B, S, T]
+        target = sg(probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30))
+        # Prediction: the indexer on detached inputs; keys from the kv_source's indexer.
+        source = model.layers[rec.kv_source].attn
+        latent = sg(source.compressor(model.layers[rec.kv_source].attn_norm(rows[rec.kv_source]["attn_input"])))
+        keys = source.indexer.keys(latent, ix.entry_positions(latent, rec.ratio), cinv, attn.fake_quant)
+        scores = attn.indexer.scores(x, qr, positions_BS, keys, allowed, cinv, attn.fake_quant)
+        log_q = jax.nn.log_softmax(scores, axis=-1)
+        has = allowed.any(-1)
+        safe = lambda a: jnp.where(allowed, a, 0.0)
+        kl = jnp.sum(safe(target * (jnp.log(jnp.maximum(target, 1e-30)) - log_q)), axis=-1)
+        total += jnp.sum(jnp.where(has, kl, 0.0))
+        count += jnp.sum(has)
+    return total, count
+
+
+def expert_load(model, rows: list[dict]) -> dict[int, jax.Array]:
+    """{layer: tokens routed to each expert [E] (fp32)} for the layers with a BalanceBias."""
+    out = {}
+    for i, (block, row) in enumerate(zip(model.layers, rows)):
+        if block.ffn.bias is not None:
+            idx = row["experts"].reshape(-1)
+            out[i] = jnp.zeros((block.ffn.num_experts,), jnp.float32).at[idx].add(1.0)
+    return out
+
+
+def kl_rows(cfg, batch: int, seq: int) -> int:
+    """Query rows the KL averages over: per Full/Reindex layer, positions p with (p + 1) // ratio ≥ 1."""
+    if cfg.architecture.family != schema.V41:
+        return 0
+    return sum(batch * max(seq - r.ratio + 1, 0) for r in layer_plan(cfg) if r.mode in (FULL, REINDEX))
+
+
+# ------------------------------------------------------------------------------------------------
+# The step
+
+
+def _check_batch(batch: dict):
+    need = ("inputs", "targets", "loss_mask")
+    missing = [k for k in need if k not in batch]
+    if missing:
+        raise ValueError(f"batch: missing {missing}: expected the keys {need} (each [batch, seq])")
+    shape = batch["inputs"].shape
+    for k in need:
+        if batch[k].shape != shape or len(shape) != 2:
+            raise ValueError(f"batch[{k!r}]: shape {batch[k].shape}: expected [batch, seq] = {shape}")
+
+
+def make_train_step(cfg, tc: TrainConfig):
+    """The jitted pure `train_step(state, batch) -> (state, metrics)` of a config.
+
+    batch: {"inputs": int32 [B, S], "targets": int32 [B, S] (the next tokens), "loss_mask": [B, S]
+    (1 where the target is trained on)}. With grad_accum = A, B must be a multiple of A and the step
+    scans A micro-batches of B/A rows. metrics: loss (total), ce, kl, grad_norm, lr, tokens, and the
+    mean |load − mean load| / mean load over the MoE layers (`imbalance`, before this step's update).
+    """
+    if list(cfg.architecture.engram.layers):
+        raise ConfigError("architecture.engram.layers", list(cfg.architecture.engram.layers),
+                          "expected [] for training: the train step does not yet feed the host-side Engram hash ids")
+    key = model_lib.config_key(cfg)
+    graphdef = model_lib._graphdef(key)
+    opt = optimizer(tc)
+    lr = schedule(tc)
+    use_kl = tc.indexer_kl_weight > 0 and cfg.architecture.family == schema.V41
+
+    def losses(params, buffers, mb, n_tokens, n_rows):
+        model = nnx.merge(graphdef, params, buffers)
+        s = mb["inputs"].shape[1]
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), mb["inputs"].shape)
+        logits, rows = _forward_records(model, mb["inputs"], positions, tc.remat)
+        mask = mb["loss_mask"].astype(jnp.float32)
+        ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), mb["targets"][..., None], -1)[..., 0]
+        ce_sum = jnp.sum(ce * mask)
+        kl_sum = indexer_kl(model, rows, positions, tc.kl_over)[0] if use_kl else jnp.zeros(())
+        # Sums over global denominators: micro-batch gradients add up to the whole batch's.
+        loss = (0.0 if tc.freeze_main else ce_sum / n_tokens) + tc.indexer_kl_weight * kl_sum / n_rows
+        return loss, (ce_sum, kl_sum, expert_load(model, rows))
+
+    grad_fn = jax.grad(losses, has_aux=True)
+
+    @jax.jit
+    def train_step(state: TrainState, batch: dict):
+        b, s = batch["inputs"].shape
+        a = tc.grad_accum
+        n_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+        n_rows = float(max(kl_rows(cfg, b, s), 1))
+        micro = jax.tree.map(lambda v: v.reshape(a, b // a, *v.shape[1:]), batch)
+
+        def accumulate(carry, mb):
+            grads, ce, kl, load = carry
+            g, (c, k, l) = grad_fn(state.params, state.buffers, mb, n_tokens, n_rows)
+            return (jax.tree.map(jnp.add, grads, g), ce + c, kl + k, jax.tree.map(jnp.add, load, l)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        load0 = {i: jnp.zeros((blk.ffn.num_experts,), jnp.float32)
+                 for i, blk in enumerate(nnx.merge(graphdef, state.params, state.buffers).layers)
+                 if blk.ffn.bias is not None}
+        (grads, ce_sum, kl_sum, load), _ = jax.lax.scan(
+            accumulate, (zeros, jnp.zeros(()), jnp.zeros(()), load0), micro)
+        updates, opt_state = opt.update(grads, state.opt_state, state.params)
+        if tc.freeze_main:  # also stops weight decay from moving the frozen weights
+            updates = jax.tree_util.tree_map_with_path(
+                lambda path, u: u if any(getattr(k, "key", None) == "indexer" for k in path) else jnp.zeros_like(u),
+                updates)
+        params = optax.apply_updates(state.params, updates)
+        buffers, imbalance = update_balance(state.buffers, load, tc.balance_rate)
+        ce, kl = ce_sum / n_tokens, kl_sum / n_rows
+        metrics = {"loss": (0.0 if tc.freeze_main else ce) + tc.indexer_kl_weight * kl, "ce": ce, "kl": kl,
+                   "grad_norm": optax.tree.norm(grads), "lr": lr(state.step), "tokens": n_tokens,
+                   "imbalance": imbalance}
+        return TrainState(params, opt_state, state.step + 1, buffers), metrics
+
+    def checked(state: TrainState, batch: dict):
+        _check_batch(batch)
+        if batch["inputs"].shape[0] % tc.grad_accum:
+            raise ConfigError("train.grad_accum", tc.grad_accum,
+                              f"expected a divisor of the batch size {batch['inputs'].shape[0]}")
+        return train_step(state, batch)
+
+    checked.jitted = train_step
+    return checked
+
+
+def update_balance(buffers: nnx.State, load: dict[int, jax.Array], rate: float):
+    """(buffers with bias_e += rate · sign(mean load − load_e) in every MoE layer, mean relative imbalance)."""
+    flat = dict(nnx.to_flat_state(buffers))
+    imbalances = []
+    for path, var in flat.items():
+        if not isinstance(var, BalanceBias):
+            continue
+        counts = load[int(path[1])]
+        mean = jnp.mean(counts)
+        imbalances.append(jnp.mean(jnp.abs(counts - mean)) / jnp.maximum(mean, 1.0))
+        var = var.replace(var[...] + rate * jnp.sign(mean - counts))
+        flat[path] = var
+    out = nnx.from_flat_state(list(flat.items()))
+    return out, (jnp.mean(jnp.stack(imbalances)) if imbalances else jnp.zeros(()))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_step(key: str, tc: TrainConfig):
+    return make_train_step(model_lib._config(key), tc)
+
+
+def train_step_for(cfg, tc: TrainConfig):
+    """`make_train_step`, compiled once per (config, TrainConfig) in this process."""
+    return _cached_step(model_lib.config_key(cfg), tc)
+
+
+# ------------------------------------------------------------------------------------------------
+# Evaluation and the training loop
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _exact(key, params, buffers, inputs, targets, mask):
+    model = nnx.merge(model_lib._graphdef(key), params, buffers)
+    positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
+    hit = (jnp.argmax(model(inputs, positions), -1) == targets) | (mask == 0)
+    return jnp.all(hit, axis=-1)
+
+
+def answer_exact_match(state: TrainState, cfg, batch: dict) -> np.ndarray:
+    """[B] bool: every response token is the argmax of the teacher-forced logits — the same as greedy
+    decoding reproducing the whole answer (each greedy token is then the teacher's)."""
+    _check_batch(batch)
+    return np.asarray(_exact(model_lib.config_key(cfg), state.params, state.buffers,
+                             *(jnp.asarray(batch[k]) for k in ("inputs", "targets", "loss_mask"))))
+
+
+def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=None, progress=None,
+        on_metrics=None) -> tuple[TrainState, list[dict]]:
+    """Runs `steps` optimiser steps in total (resuming from `checkpointer`'s newest complete step if any).
+
+    data: an iterator of batches with `state()` / `restore(dict)` (`dsv41.data`); progress: a
+    callable(step, metrics) called after every step (e.g. a tqdm update). Returns (final state, the
+    metrics of the steps run here, as floats).
+    """
+    step_fn = train_step_for(cfg, tc)
+    state, start = None, 0
+    if checkpointer is not None and checkpointer.latest_step() is not None:
+        state, data_state = checkpointer.restore(abstract_state(cfg, tc))
+        data.restore(data_state)
+        start = int(state.step)
+    if state is None:
+        state = init_state(cfg, tc, jax.random.key(seed))
+    history = []
+    for step in range(start, steps):
+        state, metrics = step_fn(state, next(data))
+        metrics = {k: float(v) for k, v in metrics.items()}
+        history.append(metrics)
+        if checkpointer is not None:
+            checkpointer.save(step + 1, state, data.state(), force=step + 1 == steps)
+        if progress is not None:
+            progress(step + 1, metrics)
+    if checkpointer is not None:
+        checkpointer.wait()
+    return state, history
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line: `dsv41 train` (wired by dsv41.cli)
+
+
+def add_parser(subparsers):
+    """Registers `train` on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "train", help="train on a synthetic long-context task or a token file",
+        description="Continued training (DESIGN §10). Example: dsv41 train --config tiny --task passkey "
+                    "--steps 200 --seq 256 --ckpt-dir /tmp/run --set train.learning_rate=1e-3")
+    p.add_argument("--config", default="small", help="config name in configs/ or a .json/.toml/.py path")
+    p.add_argument("--task", default="passkey", help="passkey | kv_recall | a .npy/.bin token file")
+    p.add_argument("--token-dtype", default=None, help="dtype of a raw .bin token file, e.g. uint16")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256, help="tokens per row (the task's context length)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-dir", default=None, help="save here every --save-every steps; resume from it")
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--keep", type=int, default=3)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field (e.g. quant=none) or a train field (train.remat=block)")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="synthetic tasks: held-out batches scored for exact-match accuracy at the end")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    return p
+
+
+def run(args) -> int:
+    from dsv41 import data as data_lib
+    from dsv41.config import load_config, parse_override
+
+    train_sets = dict(parse_override(s[len("train."):]) for s in args.set if s.startswith("train."))
+    cfg = load_config(args.config, [s for s in args.set if not s.startswith("train.")])
+    tc = TrainConfig(total_steps=args.steps).replace(train_sets)
+    if args.task in data_lib.TASKS:
+        data = data_lib.Synthetic(args.task, args.batch, args.seq, seed=args.seed)
+    else:
+        data = data_lib.PackedTokens(data_lib.load_tokens(args.task, args.token_dtype), args.batch, args.seq,
+                                     seed=args.seed, vocab_size=cfg.architecture.vocab_size)
+    ckpt = None
+    if args.ckpt_dir:
+        from dsv41.checkpoint import Checkpointer
+        ckpt = Checkpointer(args.ckpt_dir, every=args.save_every, keep=args.keep)
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.steps, desc="train", unit="step", disable=args.json)
+    if ckpt is not None and ckpt.latest_step():
+        bar.update(ckpt.latest_step())
+
+    def progress(step, m):
+        bar.update(1)
+        bar.set_postfix(loss=f"{m['loss']:.3f}", ce=f"{m['ce']:.3f}", kl=f"{m['kl']:.4f}")
+
+    t0 = time.time()
+    state, history = fit(cfg, tc, data, args.steps, seed=args.seed, checkpointer=ckpt, progress=progress)
+    bar.close()
+    if ckpt is not None:
+        ckpt.close()
+    out = {"steps": args.steps, "seconds": time.time() - t0, "final": history[-1] if history else None}
+    if args.task in data_lib.TASKS and args.eval_batches:
+        held_out = data_lib.Synthetic(args.task, args.batch, args.seq, seed=args.seed + 1_000_003)
+        hits = np.concatenate([answer_exact_match(state, cfg, next(held_out)) for _ in range(args.eval_batches)])
+        out["exact_match"] = float(hits.mean())
+    if args.json:
+        print(json.dumps(out))
+    else:
+        final = out["final"] or {}
+        print(f"{args.steps} steps in {out['seconds']:.1f} s; final loss {final.get('loss', float('nan')):.4f}"
+              + (f"; held-out exact match {out['exact_match']:.3f}" if "exact_match" in out else ""))
+    return 0
