@@ -74,16 +74,23 @@ def reference_model(types: str, hash_layers: int, **overrides) -> DeepseekV4ForC
     return m
 
 
-def run_case(name: str) -> dict:
+def reference_case(name: str) -> dict:
+    """A case's reference model run over its tokens: the tokens, the reference logits, and the converted
+    config and parameters."""
     types, hash_layers, seq, batch, overrides = CASES[name]
     ref = reference_model(types, hash_layers, **overrides)
     tokens = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = ref(tokens, use_cache=False).logits.numpy()
     cfg = transformers_io.config_from_transformers(ref.config.to_dict())
-    params = transformers_io.params_from_transformers(ref.state_dict(), cfg)
-    ours = np.asarray(model.forward(params, cfg, tokens.numpy()))
-    return {"cfg": cfg, "logits": logits, "ours": ours}
+    return {"tokens": tokens.numpy(), "logits": logits, "cfg": cfg,
+            "params": transformers_io.params_from_transformers(ref.state_dict(), cfg)}
+
+
+def run_case(name: str) -> dict:
+    case = reference_case(name)
+    case["ours"] = np.asarray(model.forward(case["params"], case["cfg"], case["tokens"]))
+    return case
 
 
 @pytest.mark.slow
@@ -109,14 +116,9 @@ def test_cached_prefill_and_decode_match_transformers():
     Each step's logits against the reference's whole-sequence logits at that position: the window (12)
     wraps many times, the CSA top-6 saturates, the HCA layers pool 9 windows of 16 and the overlapped
     CSA compressors carry the previous window across calls."""
-    types, hash_layers, seq, batch, overrides = CASES["hca16"]
-    ref = reference_model(types, hash_layers, **overrides)
-    tokens = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        want = ref(tokens, use_cache=False).logits.numpy()
-    cfg = transformers_io.config_from_transformers(ref.config.to_dict())
-    params = transformers_io.params_from_transformers(ref.state_dict(), cfg)
-    toks = tokens.numpy()
+    _, _, seq, batch, _ = CASES["hca16"]
+    case = reference_case("hca16")
+    toks, want, cfg, params = case["tokens"], case["logits"], case["cfg"], case["params"]
     c = dsv41.init_cache(cfg, batch, 160)
     got, done = [], [0, 0]  # (row, position, logits); tokens cached per row
     for counts in ([40, 40], [40, 23], [21, 38]):
