@@ -235,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache", metavar="DIR",
                    help="reuse and store the global KV of prompt prefixes in DIR (DESIGN §7; V4.1)")
     p.set_defaults(func=cmd_generate)
+
+    from dsv41 import train
+
+    train.add_parser(sub).set_defaults(func=train.run)
     return parser
 
 
