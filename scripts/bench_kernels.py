@@ -369,6 +369,18 @@ def measure(case: Case, reps: int, run_kernel: bool, memory: float, key) -> list
     return rows
 
 
+def argument_copies(hlo: str, min_elements: int = 2**20) -> list[str]:
+    """Shapes of the program's own arguments that its entry computation copies whole (a relayout)."""
+    entry = hlo[hlo.index("\nENTRY"):] if "\nENTRY" in hlo else ""
+    entry = entry[: entry.find("\n}") + 1] if "\n}" in entry else entry
+    params = set(re.findall(r"(%[\w.\-]+) = \S+ parameter\(", entry))
+    out = []
+    for m in re.finditer(r"= (\w+)\[([\d,]+)\]\S* copy\((%[\w.\-]+)\)", entry):
+        if m.group(3) in params and math.prod(int(x) for x in m.group(2).split(",")) >= min_elements:
+            out.append(f"{m.group(1)}[{m.group(2)}]")
+    return out
+
+
 def compile_tpu(case: Case, mesh, devices: int, memory: float, with_reference: bool) -> list[dict]:
     """Rows for the kernel and the reference compiled for the TPU slice, per device (batch split)."""
     import jax
@@ -411,9 +423,7 @@ def compile_tpu(case: Case, mesh, devices: int, memory: float, with_reference: b
                 row["mosaic"] = "tpu_custom_call" in hlo
             # A whole argument copied on every call (a relayout XLA inserts around the kernel) moves far more
             # than the model bytes: name the big ones.
-            row["argument_copies"] = [f"{m.group(1)}[{m.group(2)}]" for m in
-                                      re.finditer(r"= (\w+)\[([\d,]+)\]\S* copy\(%param", hlo)
-                                      if math.prod(int(x) for x in m.group(2).split(",")) >= 2**20]
+            row["argument_copies"] = argument_copies(hlo)
             total = row["argument_bytes"] + row["output_bytes"] + row["temp_bytes"]
             if total > memory:
                 row["skipped"] = f"does not fit: {total / 2**30:.1f} GiB/device > {memory / 2**30:.0f} GiB"
