@@ -1,0 +1,71 @@
+"""Multi-host start-up (DESIGN §9): `jax.distributed.initialize` from command-line flags or the environment.
+
+The same program runs on one CPU and on a pod: with no coordinator given (flags or DSV41_COORDINATOR)
+nothing is initialised on a single process, and on TPU pods / SLURM jax detects the cluster itself
+(`auto=True`). Multi-process CPU runs need cross-process collectives (gloo); the option must be set
+before the CPU backend starts, so `initialize` must run before anything touches a device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+
+from dsv41.errors import ConfigError
+
+ENV = {"coordinator": "DSV41_COORDINATOR", "num_processes": "DSV41_NUM_PROCESSES", "process_id": "DSV41_PROCESS_ID"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """--coordinator HOST:PORT --num-processes N --process-id I (each defaulting to its DSV41_* variable)."""
+    g = parser.add_argument_group("multi-host (jax.distributed)")
+    g.add_argument("--coordinator", default=os.environ.get(ENV["coordinator"]),
+                   help=f"coordinator HOST:PORT of process 0 (env {ENV['coordinator']})")
+    g.add_argument("--num-processes", type=int, default=_env_int("num_processes"),
+                   help=f"number of processes (env {ENV['num_processes']})")
+    g.add_argument("--process-id", type=int, default=_env_int("process_id"),
+                   help=f"this process's index, 0..N-1 (env {ENV['process_id']})")
+
+
+def _env_int(field: str):
+    text = os.environ.get(ENV[field])
+    if text is None:
+        return None
+    if not text.strip().isdigit():
+        raise ConfigError(ENV[field], text, "expected a non-negative integer")
+    return int(text)
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               *, auto: bool = False, cpu_collectives: str = "gloo") -> bool:
+    """Joins the job; returns True when jax.distributed was initialised (False: a single process).
+
+    coordinator/num_processes/process_id default to the DSV41_* environment variables. auto=True lets jax
+    detect a TPU pod or SLURM cluster when none is given.
+    """
+    coordinator = coordinator or os.environ.get(ENV["coordinator"])
+    num_processes = _env_int("num_processes") if num_processes is None else num_processes
+    process_id = _env_int("process_id") if process_id is None else process_id
+    if coordinator is None and not auto:
+        if num_processes not in (None, 1):
+            raise ConfigError("coordinator", None, f"expected HOST:PORT for {num_processes} processes")
+        return False
+    if coordinator is not None:
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError("coordinator", coordinator, "expected HOST:PORT, e.g. 10.0.0.1:1234")
+        if num_processes is None or num_processes < 1:
+            raise ConfigError("num_processes", num_processes, "expected a positive process count with a coordinator")
+        if process_id is None or not 0 <= process_id < num_processes:
+            raise ConfigError("process_id", process_id, f"expected 0..{num_processes - 1}")
+    # CPU collectives across processes (no-op for TPU/GPU, which bring their own).
+    jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+    return True
+
+
+def from_args(args: argparse.Namespace) -> bool:
+    """initialize() from the flags add_arguments added."""
+    return initialize(args.coordinator, args.num_processes, args.process_id)

@@ -1,0 +1,401 @@
+"""Sharding (DESIGN §9): a mesh with named axes, logical axis names resolved to mesh axes by a rules table.
+
+Every parameter carries logical axis names (`out_sharding` metadata, see `dsv41.nn.linear.param`);
+the cache leaves' names are defined here (`CACHE_AXES`). A rules table maps each logical name to a
+tuple of mesh axes; resolving one array's names walks its dimensions in order and gives each the mesh
+axes of its rule that are still unused in that array (so a weight [experts, embed, mlp] under FSDP
+rules gets experts → expert and embed → data, not expert twice). Mesh axes of size 1 are dropped.
+
+Presets:
+- `serve`: data-parallel attention, expert-parallel MoE. Activations and the cache are split over
+  batch rows on every mesh axis; the single shared KV head (`kv`) is never split, since a tensor-split
+  MQA head would have to be copied to every tensor rank anyway. Routed experts are split over
+  `expert` and their intermediate width over `tensor`; everything else is replicated.
+- `train`: FSDP over data × expert (weights split on their model width), experts over `expert`,
+  heads and intermediate widths over `tensor`.
+
+The sharded steps are jax.jit of the same bodies as `dsv41.model` / `dsv41.steps` (their un-jitted
+functions, `__wrapped__`) with explicit in/out shardings and the cache donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from dsv41 import model as model_lib
+from dsv41 import steps as steps_lib
+from dsv41.cache import Cache, CompressedKV, abstract_cache
+from dsv41.errors import ConfigError
+from dsv41.plan import layer_plan
+
+MESH_AXES = ("data", "expert", "tensor")
+
+# The cache leaves' logical axes (the parameters carry theirs; see dsv41.cache for the layouts).
+CACHE_AXES = {
+    "lengths": ("batch",),
+    "window": ("layers", "batch", "window", "kv"),
+    "window_scales": ("layers", "batch", "window", "kv_scales"),
+    "window_start": ("layers", "batch"),
+    "pool_blocks": ("batch", "pool"),
+    "recent_tokens": ("batch", "ngram"),
+}
+COMPRESSED_AXES = {
+    "entries": ("batch", "cache_seq", "kv"),
+    "entry_scales": ("batch", "cache_seq", "kv_scales"),
+    "index_keys": ("batch", "cache_seq", "index_dim"),
+    "index_scales": ("batch", "cache_seq", "index_scales"),
+    "leftover": ("batch", "group", "kv"),
+    "index_leftover": ("batch", "group", "index_dim"),
+}
+
+# Every logical name the model and cache use; () = replicated. A name missing from a table is an error
+# (a typo would otherwise replicate silently).
+_REPLICATED = ("layers", "window", "kv", "kv_scales", "pool", "ngram", "cache_seq", "index_scales", "group",
+               "hc_mix", "hc_embed", "heads", "q_heads", "q_lora", "o_groups", "o_in", "o_lora", "o_proj",
+               "index_heads", "index_dim", "engram_dim", "engram_in", "embed", "vocab", "mlp", "experts",
+               "engram_rows", "batch")
+SERVE = {**{name: () for name in _REPLICATED},
+         "batch": ("data", "expert", "tensor"),
+         "experts": ("expert",),
+         "mlp": ("tensor",),
+         "vocab": ("tensor",),
+         # Engram tables (DESIGN §3.7, ~196B parameters at full size) hold prime row counts; they are not
+         # split evenly, so a serving deployment keeps them in host memory (see compile_report).
+         "engram_rows": ()}
+TRAIN = {**{name: () for name in _REPLICATED},
+         "batch": ("data", "expert"),
+         "experts": ("expert",),
+         "embed": ("data", "expert"),
+         "q_lora": ("data", "expert"),
+         "o_in": ("data", "expert"),
+         "o_proj": ("data", "expert"),
+         "hc_embed": ("data", "expert"),
+         "engram_in": ("data", "expert"),
+         "vocab": ("tensor",),
+         "mlp": ("tensor",),
+         "heads": ("tensor",),
+         "q_heads": ("tensor",),
+         "o_groups": ("tensor",),
+         "index_heads": ("tensor",)}
+PRESETS = {"serve": SERVE, "train": TRAIN}
+
+
+def rules_for(rules) -> dict:
+    """A rules table from a preset name or a mapping (logical name -> mesh axes)."""
+    if isinstance(rules, str):
+        if rules not in PRESETS:
+            raise ConfigError("rules", rules, f"expected one of {sorted(PRESETS)} or a mapping")
+        return PRESETS[rules]
+    return dict(rules)
+
+
+def make_mesh(shape: Mapping[str, int], devices=None) -> Mesh:
+    """A mesh with axes data, expert, tensor (missing ones get size 1), e.g. make_mesh({"data": 2, "expert": 4}).
+
+    The axis types are given explicitly (Auto: shardings propagate from the in/out shardings) because
+    their default changed between jax releases.
+    """
+    for name, size in shape.items():
+        if name not in MESH_AXES:
+            raise ConfigError("mesh", name, f"expected a mesh axis among {MESH_AXES}")
+        if not isinstance(size, int) or size < 1:
+            raise ConfigError(f"mesh.{name}", size, "expected a positive integer")
+    sizes = tuple(shape.get(name, 1) for name in MESH_AXES)
+    devices = jax.devices() if devices is None else list(devices)
+    if math.prod(sizes) != len(devices):
+        raise ConfigError("mesh", dict(shape), f"expected axis sizes whose product is the {len(devices)} devices")
+    return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """'data=2,expert=4' -> {"data": 2, "expert": 4}."""
+    out = {}
+    for part in filter(None, text.split(",")):
+        name, _, size = part.partition("=")
+        if not size.isdigit():
+            raise ConfigError("mesh", text, "expected axis=size pairs such as 'data=2,expert=4'")
+        out[name.strip()] = int(size)
+    return out
+
+
+def logical_spec(axes, shape, mesh: Mesh, rules, *, what: str, strict: bool = False) -> P:
+    """PartitionSpec of one array from its logical axis names.
+
+    A mesh axis that does not divide its dimension is skipped (strict=False, parameters: e.g. an odd
+    vocabulary stays whole) or is an error (strict=True: batch rows must split evenly).
+    """
+    rules = rules_for(rules)
+    if len(axes) != len(shape):
+        raise ValueError(f"{what}: logical axes {axes} for shape {tuple(shape)}: expected one name per dimension")
+    used, spec = set(), []
+    for name, size in zip(axes, shape):
+        if name is not None and name not in rules:
+            raise ConfigError(f"{what} logical axis", name, f"expected a name of the rules table {sorted(rules)}")
+        picked = []
+        for m in rules.get(name, ()) if name is not None else ():
+            n = mesh.shape.get(m, 1)
+            if m in used or n == 1:
+                continue
+            if size % (math.prod(mesh.shape[p] for p in picked) * n):
+                if strict:
+                    raise ConfigError(f"{what} ({name})", size,
+                                      f"expected a multiple of {math.prod(mesh.shape[p] for p in picked) * n} "
+                                      f"(mesh axes {'×'.join(picked + [m])})")
+                continue
+            picked.append(m)
+        used.update(picked)
+        spec.append(None if not picked else picked[0] if len(picked) == 1 else tuple(picked))
+    return P(*spec)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _path(path) -> str:
+    return "params/" + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def param_shardings(cfg, mesh: Mesh, rules="serve", abstract=None) -> nnx.State:
+    """NamedSharding per parameter (an nnx.State shaped like `init_params(cfg, ...)`), from its logical axes."""
+    abstract = model_lib.abstract_params(cfg) if abstract is None else abstract
+
+    def one(path, v):
+        shape = v.get_value().shape
+        axes = v.get_metadata().get("out_sharding") or (None,) * len(shape)
+        return v.replace(NamedSharding(mesh, logical_spec(axes, shape, mesh, rules, what=_path(path))))
+
+    return jax.tree_util.tree_map_with_path(one, abstract, is_leaf=_is_var)
+
+
+def cache_shardings(cfg, mesh: Mesh, rules="serve", *, batch: int, max_len: int) -> Cache:
+    """NamedSharding per cache leaf (a Cache of shardings), from CACHE_AXES / COMPRESSED_AXES."""
+    shapes = abstract_cache(cfg, batch, max_len)
+    spec = lambda axes, x, what: NamedSharding(mesh, logical_spec(axes, x.shape, mesh, rules, what=what, strict=True))
+    compressed = tuple(CompressedKV(**{f: spec(COMPRESSED_AXES[f], getattr(c, f), f"cache.compressed[{i}].{f}")
+                                       for f in COMPRESSED_AXES})
+                       for i, c in enumerate(shapes.compressed))
+    top = {f: spec(CACHE_AXES[f], getattr(shapes, f), f"cache.{f}") for f in CACHE_AXES}
+    return Cache(compressed=compressed, **top)
+
+
+def batch_sharding(mesh: Mesh, rules, shape, what: str) -> NamedSharding:
+    """Inputs split over rows only: [B, ...] -> P(batch axes, None, ...)."""
+    axes = ("batch",) + (None,) * (len(shape) - 1)
+    return NamedSharding(mesh, logical_spec(axes, shape, mesh, rules, what=what, strict=True))
+
+
+def put(x, sharding: NamedSharding):
+    """A global array from a host value every process holds in full (works on one host and on many)."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def to_host(x) -> np.ndarray:
+    """The full value of a (possibly multi-process) global array on every host."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def shard_params(params, cfg, mesh: Mesh, rules="serve"):
+    """Places existing parameters (e.g. loaded from a checkpoint) as the rules say."""
+    return jax.device_put(params, param_shardings(cfg, mesh, rules))
+
+
+def shard_cache(cache: Cache, cfg, mesh: Mesh, rules="serve") -> Cache:
+    b, cap = cache.lengths.shape[0], steps_lib.capacity(cfg, cache)
+    return jax.device_put(cache, cache_shardings(cfg, mesh, rules, batch=b, max_len=min(cap, cfg.context_window)))
+
+
+def _rules_key(rules) -> tuple:
+    return tuple(sorted((k, tuple(v)) for k, v in rules_for(rules).items()))
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted(kind: str, key: str, mesh: Mesh, rules_key: tuple, shapes: tuple):
+    """The jitted sharded function of one kind, config, mesh and rules (shapes: the batch inputs' shapes)."""
+    cfg, rules = model_lib._config(key), dict(rules_key)
+    ps = param_shardings(cfg, mesh, rules)
+    rep = NamedSharding(mesh, P())
+    if kind == "init":
+        return jax.jit(lambda k: model_lib.init_params(cfg, k), out_shardings=ps)
+    tokens_shape, ids_shape = shapes[0], shapes[1]
+    tok = batch_sharding(mesh, rules, tokens_shape, "tokens")
+    ids = None if ids_shape is None else batch_sharding(mesh, rules, ids_shape, "engram_ids")
+    b = tokens_shape[0]
+    if kind in ("forward", "grad"):
+        body = functools.partial(model_lib._forward.__wrapped__, key)
+        logits = NamedSharding(mesh, logical_spec(("batch", None, "vocab"), (*tokens_shape, cfg.architecture.vocab_size),
+                                                  mesh, rules, what="logits"))
+        if kind == "forward":
+            return jax.jit(lambda p, t, pos, i: body(p, t, pos, i, False),
+                           in_shardings=(ps, tok, tok, ids), out_shardings=logits)
+
+        def loss(p, t, pos, i):
+            return next_token_loss(body(p, t, pos, i, False), t)
+
+        return jax.jit(jax.value_and_grad(loss), in_shardings=(ps, tok, tok, ids), out_shardings=(rep, ps))
+    return step_function(cfg, mesh, rules, tokens_shape=tokens_shape, ids_shape=ids_shape, max_len=shapes[2])
+
+
+def step_function(cfg, mesh: Mesh, rules="serve", *, tokens_shape, ids_shape=None, max_len: int,
+                  params_shardings=None, engram_host: bool = False):
+    """The jitted sharded body of `dsv41.steps._step` (prefill chunk / decode step):
+    (params, cache, tokens [B, S], counts [B], engram ids [B, S, L, C] | None) -> (logits [B, V], cache),
+    the cache donated and returned in its rule shardings. params_shardings overrides the rules' (e.g.
+    Engram tables in host memory: then engram_host=True gathers their rows on the host, see
+    `gather_engram_rows`)."""
+    key = model_lib.config_key(cfg)
+    ps = param_shardings(cfg, mesh, rules) if params_shardings is None else params_shardings
+    b = tokens_shape[0]
+    tok = batch_sharding(mesh, rules, tokens_shape, "tokens")
+    ids = None if ids_shape is None else batch_sharding(mesh, rules, ids_shape, "engram_ids")
+    cs = cache_shardings(cfg, mesh, rules, batch=b, max_len=max_len)
+    rows = batch_sharding(mesh, rules, (b,), "lengths")
+    logits = NamedSharding(mesh, logical_spec(("batch", "vocab"), (b, cfg.architecture.vocab_size), mesh, rules,
+                                              what="logits"))
+    step = functools.partial(steps_lib._step.__wrapped__, key)
+
+    def body(params, cache, tokens_BS, counts_B, ids_BSLC):
+        if engram_host and ids_BSLC is not None:
+            params, ids_BSLC = gather_engram_rows(cfg, params, ids_BSLC)
+        return step(params, cache, tokens_BS, counts_B, ids_BSLC)
+
+    return jax.jit(body, in_shardings=(ps, cs, tok, rows, ids), out_shardings=(logits, cs), donate_argnums=1)
+
+
+def gather_engram_rows(cfg, params, ids_BSLC):
+    """Engram lookups from tables kept in host memory (DESIGN §3.7: ~196B parameters at full size).
+
+    Inside a jitted step: the rows the new tokens hash to are gathered on the host and only they move to
+    the device. The Engram layer then reads a table of exactly those rows with ids 0..B·S·C-1 in order,
+    which is the same lookup (`take(table, ids)`) without the whole table in device memory.
+    """
+    from jax.experimental.compute_on import compute_on
+    b, s, n, c = ids_BSLC.shape
+    layers = [r.index for r in layer_plan(cfg) if r.engram]
+    tables = {}
+    for j, i in enumerate(layers):
+        ids = jax.device_put(ids_BSLC[:, :, j].reshape(-1), jax.memory.Space.Host)
+        with compute_on("device_host"):
+            # in bounds by construction (hash ids < rows): no bound check, whose constants would live on the device
+            table = params["layers"][i]["engram"]["table"][...]
+            rows = jax.lax.gather(table, ids[:, None], jax.lax.GatherDimensionNumbers(
+                offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,)), (1, table.shape[1]),
+                mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+        tables[i] = jax.device_put(rows, jax.memory.Space.Device)
+
+    def swap(path, v):
+        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+        if len(keys) == 4 and keys[0] == "layers" and keys[2:] == ["engram", "table"] and keys[1] in tables:
+            return v.replace(tables[keys[1]])
+        return v
+
+    params = jax.tree_util.tree_map_with_path(swap, params, is_leaf=_is_var)
+    local = jnp.broadcast_to(jnp.arange(b * s * c, dtype=jnp.int32).reshape(b, s, 1, c), (b, s, n, c))
+    return params, local
+
+
+def next_token_loss(logits_BSV, tokens_BS) -> jax.Array:
+    """Mean next-token cross-entropy (fp32) of teacher-forced logits."""
+    logp = jax.nn.log_softmax(logits_BSV[:, :-1].astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens_BS[:, 1:, None], axis=-1))
+
+
+def init_params(cfg, key: jax.Array, mesh: Mesh, rules="serve") -> nnx.State:
+    """init_params with every parameter created directly in its shard (jit with out_shardings)."""
+    return _jitted("init", model_lib.config_key(cfg), mesh, _rules_key(rules), ())(key)
+
+
+def init_cache(cfg, mesh: Mesh, rules="serve", *, batch: int, max_len: int) -> Cache:
+    """An empty cache created in its shards (the same values as dsv41.init_cache)."""
+    from dsv41.cache import init_cache as init
+    out = cache_shardings(cfg, mesh, rules, batch=batch, max_len=max_len)
+    return jax.jit(lambda: init(cfg, batch, max_len), out_shardings=out)()
+
+
+def _forward_inputs(cfg, mesh, rules, tokens, engram_ids_BSLC, token_map):
+    tokens = np.asarray(tokens, np.int32)
+    vocab = cfg.architecture.vocab_size
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens: shape {tokens.shape}: expected [batch, seq]")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+        raise ValueError(f"tokens: ids in [{tokens.min()}, {tokens.max()}]: expected 0..{vocab - 1}")
+    if engram_ids_BSLC is None:
+        engram_ids_BSLC = model_lib.engram_ids(cfg, tokens, token_map)
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    tok = batch_sharding(mesh, rules, tokens.shape, "tokens")
+    ids = None if engram_ids_BSLC is None else np.asarray(engram_ids_BSLC, np.int32)
+    shapes = (tokens.shape, None if ids is None else ids.shape)
+    args = (put(tokens, tok), put(positions, tok),
+            None if ids is None else put(ids, batch_sharding(mesh, rules, ids.shape, "engram_ids")))
+    return shapes, args
+
+
+def forward(params, cfg, tokens, mesh: Mesh, rules="serve", *, engram_ids_BSLC=None, token_map=None) -> jax.Array:
+    """dsv41.forward on a mesh: logits [B, S, V] fp32 split over rows (B a multiple of the batch mesh axes)."""
+    shapes, args = _forward_inputs(cfg, mesh, rules, tokens, engram_ids_BSLC, token_map)
+    return _jitted("forward", model_lib.config_key(cfg), mesh, _rules_key(rules), shapes)(params, *args)
+
+
+def loss_and_grad(params, cfg, tokens, mesh: Mesh, rules="train", *, engram_ids_BSLC=None, token_map=None):
+    """(next-token loss, gradient w.r.t. every parameter) on a mesh; the gradient is sharded like the params."""
+    shapes, args = _forward_inputs(cfg, mesh, rules, tokens, engram_ids_BSLC, token_map)
+    return _jitted("grad", model_lib.config_key(cfg), mesh, _rules_key(rules), shapes)(params, *args)
+
+
+def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, mesh: Mesh, rules="serve", token_map=None):
+    """dsv41.prefill on a mesh (the `full` schedule): (logits [B, V] fp32, cache), the cache donated and kept
+    in its rule shardings. Host checks as in dsv41.steps.prefill."""
+    if cfg.runtime.prefill_schedule != "full":
+        raise ConfigError("runtime.prefill_schedule", cfg.runtime.prefill_schedule,
+                          "expected 'full' for the sharded steps (the CED schedule is not wrapped yet)")
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] == 0:
+        raise ValueError(f"tokens: shape {tokens.shape}: expected [batch, seq] with seq >= 1")
+    b, s = tokens.shape
+    counts = np.full((b,), s, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+    if counts.shape != (b,) or (counts < 0).any() or (counts > s).any():
+        raise ValueError(f"lengths: {counts.tolist()}: expected {b} counts in 0..{s}")
+    vocab = cfg.architecture.vocab_size
+    live = np.arange(s)[None, :] < counts[:, None]
+    if ((tokens < 0) | (tokens >= vocab))[live].any():
+        raise ValueError(f"tokens: ids outside 0..{vocab - 1} in the live positions")
+    held = to_host(cache.lengths)
+    cap = steps_lib.capacity(cfg, cache)
+    if (held + counts > cap).any():
+        row = int(np.argmax(held + counts > cap))
+        raise ValueError(f"row {row}: {int(held[row])} cached + {int(counts[row])} new tokens exceed the cache's "
+                         f"capacity of {cap} tokens (maximum context length {min(cap, cfg.context_window)})")
+    tokens = np.where(live, tokens, 0).astype(np.int32)
+    host_view = dataclasses.replace(cache, recent_tokens=to_host(cache.recent_tokens))
+    ids, recent = steps_lib._engram(cfg, host_view, tokens, counts, held, token_map)
+    ids = None if ids is None else np.asarray(ids)
+    rules_key = _rules_key(rules)
+    step = _jitted("step", model_lib.config_key(cfg), mesh, rules_key, (tokens.shape, None if ids is None else ids.shape,
+                                                                         min(cap, cfg.context_window)))
+    tok = batch_sharding(mesh, rules, tokens.shape, "tokens")
+    logits, cache = step(params, cache, put(tokens, tok), put(counts, batch_sharding(mesh, rules, (b,), "lengths")),
+                         None if ids is None else put(ids, batch_sharding(mesh, rules, ids.shape, "engram_ids")))
+    if recent is not None:
+        cache = dataclasses.replace(cache, recent_tokens=put(recent.astype(np.int32), cache.recent_tokens.sharding))
+    return logits, cache
+
+
+def decode(params, cfg, cache: Cache, next_tokens, *, mesh: Mesh, rules="serve", token_map=None):
+    """dsv41.decode on a mesh: next_tokens [B] -> (logits [B, V] fp32, cache)."""
+    next_tokens = np.asarray(next_tokens)
+    if next_tokens.ndim != 1:
+        raise ValueError(f"next_tokens: shape {next_tokens.shape}: expected [batch]")
+    return prefill(params, cfg, cache, next_tokens[:, None], mesh=mesh, rules=rules, token_map=token_map)
