@@ -1,0 +1,274 @@
+"""Ahead-of-time compile report (DESIGN §9): full-size decode (and prefill) compiled for a TPU topology on a
+CPU machine through libtpu, from abstract parameters and cache (ShapeDtypeStruct with shardings, never
+allocated): per-chip memory vs the chip's HBM, XLA FLOPs per generated token, collective bytes and
+compile time. Engram tables sit in host memory (memory kind pinned_host) and are reported separately.
+
+    dsv41 compile-report --config v41_flash --topology v5p:4x4x4 --batch 64 --context 65536 --weights fp8
+
+Needs libtpu (`jax.experimental.topologies`); run with JAX_PLATFORMS=cpu so nothing initialises a TPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from dsv41 import config as config_lib
+from dsv41 import model as model_lib
+from dsv41 import sharding as sh
+from dsv41.cache import abstract_cache
+from dsv41.errors import ConfigError
+
+GIB = 1024 ** 3
+# HBM per chip by jax device_kind (public TPU specs).
+HBM_BYTES = {"TPU v4": 32 * GIB, "TPU v5 lite": 16 * GIB, "TPU v5": 95 * GIB, "TPU v6 lite": 32 * GIB,
+             "TPU7x": 192 * GIB}
+WEIGHTS = ("fp8", "bf16")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+               "ragged-all-to-all")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
+          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def topology_devices(topology: str):
+    from jax.experimental import topologies
+    try:
+        return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices
+    except Exception as e:  # libtpu's own message says what it could not parse
+        raise ConfigError("topology", topology, f"expected a TPU topology such as v5p:4x4x4 ({e})") from e
+
+
+def report_config(cfg, weights: str, kernels: str):
+    """The config as compiled: bf16 storage and compute (the fp8 weights are cast per matmul)."""
+    if weights not in WEIGHTS:
+        raise ConfigError("weights", weights, f"expected one of {WEIGHTS}")
+    return config_lib.build(cfg.to_dict(), ["runtime.param_dtype=\"bfloat16\"", "runtime.compute_dtype=\"bfloat16\"",
+                                            f"runtime.kernels=\"{kernels}\""])
+
+
+def abstract_inputs(cfg, mesh, rules, *, weights: str, batch: int, seq: int, context: int, engram_host: bool):
+    """ShapeDtypeStructs with shardings for (params, cache, tokens, counts, engram ids) and the params'
+    shardings. fp8: every bf16 matrix except the embedding and the Engram tables stored as E4M3 (the
+    released FP8 weights; the 32×32 block scales, 1/1024 of the bytes, are left out)."""
+    abstract = model_lib.abstract_params(cfg)
+    shardings = sh.param_shardings(cfg, mesh, rules, abstract)
+
+    def place(path, v, s):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        x, sharding = v.get_value(), s.get_value()
+        dtype = x.dtype
+        engram = ".table" in name.replace("/", ".") and "engram" in name
+        if weights == "fp8" and dtype == jnp.bfloat16 and len(x.shape) >= 2 and not engram and name != "embed":
+            dtype = jnp.float8_e4m3fn
+        if engram and engram_host:
+            sharding = NamedSharding(mesh, sharding.spec, memory_kind="pinned_host")
+        return v.replace(jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)), s.replace(sharding)
+
+    pairs = jax.tree_util.tree_map_with_path(lambda p, v, s: place(p, v, s), abstract, shardings,
+                                             is_leaf=lambda x: isinstance(x, nnx.Variable))
+    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], nnx.Variable)
+    params = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
+    pshard = jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
+    cs = sh.cache_shardings(cfg, mesh, rules, batch=batch, max_len=context)
+    cache = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         abstract_cache(cfg, batch, context), cs)
+    tok = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sh.batch_sharding(mesh, rules, (batch, seq), "tokens"))
+    counts = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=sh.batch_sharding(mesh, rules, (batch,), "lengths"))
+    e = cfg.architecture.engram
+    ids = None
+    if list(e.layers):
+        shape = (batch, seq, len(e.layers), (e.max_ngram - 1) * e.heads_per_ngram)
+        ids = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh.batch_sharding(mesh, rules, shape, "engram_ids"))
+    return (params, cache, tok, counts, ids), pshard
+
+
+def _leaf_bytes(tree, host: bool) -> int:
+    total = 0
+    for x in jax.tree.leaves(tree):
+        on_host = x.sharding.memory_kind == "pinned_host"
+        if on_host == host:
+            shard = x.sharding.shard_shape(x.shape)
+            total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def collective_bytes(hlo_text: str) -> dict:
+    """Bytes produced per chip by each kind of collective in the compiled (per-device) HLO."""
+    out = {k: 0 for k in COLLECTIVES}
+    count = {k: 0 for k in COLLECTIVES}
+    pattern = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+    for line in hlo_text.splitlines():
+        m = pattern.search(line)
+        if not m or "-done" in line:
+            continue
+        kind = m.group(2)
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+            if dtype in _BYTES:
+                out[kind] += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        count[kind] += 1
+    return {k: {"ops": count[k], "bytes": out[k]} for k in COLLECTIVES if count[k]}
+
+
+def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, context: int, engram_host: bool) -> dict:
+    """AOT-compiles one step (seq = 1: decode; seq > 1: a prefill chunk) and measures it."""
+    args, pshard = abstract_inputs(cfg, mesh, rules, weights=weights, batch=batch, seq=seq, context=context,
+                                   engram_host=engram_host)
+    fn = sh.step_function(cfg, mesh, rules, tokens_shape=(batch, seq), ids_shape=None if args[4] is None else
+                          args[4].shape, max_len=context, params_shardings=pshard,
+                          engram_host=engram_host)
+    t0 = time.perf_counter()
+    lowered = fn.trace(*args).lower()
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    chips = mesh.devices.size
+    flops = float(cost.get("flops", 0.0))
+    hbm = HBM_BYTES.get(mesh.devices.flat[0].device_kind)
+    memory = {
+        "arguments": int(mem.argument_size_in_bytes),
+        "outputs": int(mem.output_size_in_bytes),
+        "aliased": int(mem.alias_size_in_bytes),
+        "temporaries": int(mem.temp_size_in_bytes),
+        "code": int(mem.generated_code_size_in_bytes),
+    }
+    # Donated cache outputs alias their inputs: live bytes = arguments + outputs - aliased + temporaries.
+    memory["total"] = memory["arguments"] + memory["outputs"] - memory["aliased"] + memory["temporaries"]
+    memory["hbm"] = hbm
+    memory["fits"] = None if hbm is None else memory["total"] <= hbm
+    memory["params_on_device"] = _leaf_bytes(args[0], host=False)
+    memory["cache"] = _leaf_bytes(args[1], host=False)
+    memory["engram_host"] = _leaf_bytes(args[0], host=True)
+    memory["host_arguments"] = int(getattr(mem, "host_argument_size_in_bytes", 0))
+    memory["host_temporaries"] = int(getattr(mem, "host_temp_size_in_bytes", 0))
+    return {
+        "seq": seq,
+        "lower_s": round(t1 - t0, 2),
+        "compile_s": round(t2 - t1, 2),
+        "memory_per_chip": memory,
+        "flops_per_chip": flops,
+        "bytes_accessed_per_chip": float(cost.get("bytes accessed", 0.0)),
+        # The compiled module is one chip's program (SPMD): the step's FLOPs are chips × that.
+        "flops_per_token": flops * chips / (batch * seq),
+        "collectives_per_chip": collective_bytes(compiled.as_text()),
+    }
+
+
+def compile_report(cfg, topology: str, batch: int, context: int, weights: str = "fp8", *, mesh: dict | None = None,
+                   rules="serve", prefill_chunk: int = 0, engram_host: bool = True, kernels: str = "reference",
+                   sweep=()) -> dict:
+    """Compiles full-size decode (and a prefill chunk of `prefill_chunk` tokens if > 0) for a TPU topology.
+
+    mesh: axis sizes over the topology's chips (default: every chip on `expert`). sweep: contexts whose
+    decode FLOPs are reported relative to 4096 tokens (4096 is added). Returns a JSON-ready dict.
+    """
+    devices = topology_devices(topology)
+    shape = mesh or {"expert": len(devices)}
+    m = sh.make_mesh(shape, devices=devices)
+    cfg = report_config(cfg, weights, kernels)
+    out = {"model": cfg.model, "topology": topology, "chips": len(devices), "device_kind": devices[0].device_kind,
+           "mesh": dict(shape), "rules": rules if isinstance(rules, str) else "custom", "weights": weights,
+           "batch": batch, "context": context, "kernels": kernels, "engram_in_host_memory": engram_host}
+    out["decode"] = compile_step(cfg, m, rules, weights=weights, batch=batch, seq=1, context=context,
+                                 engram_host=engram_host)
+    if prefill_chunk:
+        out["prefill"] = compile_step(cfg, m, rules, weights=weights, batch=batch, seq=prefill_chunk,
+                                      context=context, engram_host=engram_host)
+    if sweep:
+        points = sorted({4096, *sweep})
+        flops = {}
+        for t in points:
+            r = out["decode"] if t == context else compile_step(cfg, m, rules, weights=weights, batch=batch, seq=1,
+                                                                 context=t, engram_host=engram_host)
+            flops[t] = r["flops_per_token"]
+        out["context_sweep"] = [{"context": t, "flops_per_token": flops[t], "relative_to_4k": flops[t] / flops[4096]}
+                                for t in points]
+    return out
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "compile-report", help="AOT-compile full-size decode for a TPU topology: per-chip memory, FLOPs, collectives",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: dsv41 compile-report --config v41_flash --topology v5p:4x4x4 --batch 64 --context 65536 "
+               "--weights fp8 --sweep-context 16384,65536")
+    p.add_argument("--config", default="v41_flash", help="config name in configs/ or a path (default v41_flash)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--topology", required=True, help="TPU topology, e.g. v5p:4x4x4, v6e:4x4, v5e:2x4")
+    p.add_argument("--batch", type=int, required=True, help="sequences per decode step (a multiple of the mesh)")
+    p.add_argument("--context", type=int, required=True, help="cache capacity in tokens")
+    p.add_argument("--weights", choices=WEIGHTS, default="fp8")
+    p.add_argument("--mesh", default=None, help="axis sizes, e.g. data=4,expert=16 (default: all chips on expert)")
+    p.add_argument("--rules", choices=sorted(sh.PRESETS), default="serve")
+    p.add_argument("--prefill-chunk", type=int, default=0, help="also compile a prefill chunk of this many tokens")
+    p.add_argument("--kernels", choices=("reference", "pallas"), default="reference",
+                   help="attention/indexer path compiled (default: the XLA reference path)")
+    p.add_argument("--engram-on-device", action="store_true", help="keep Engram tables in HBM instead of host memory")
+    p.add_argument("--sweep-context", default="", help="comma-separated contexts: decode FLOPs relative to 4K")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args) -> int:
+    cfg = config_lib.load_config(args.config, args.set)
+    try:
+        sweep = tuple(int(t) for t in args.sweep_context.split(",") if t.strip())
+    except ValueError:
+        raise ConfigError("--sweep-context", args.sweep_context, "expected comma-separated integers") from None
+    print(f"compiling {cfg.model} decode for {args.topology} (batch {args.batch}, context {args.context}) ...",
+          file=sys.stderr, flush=True)
+    r = compile_report(cfg, args.topology, args.batch, args.context, args.weights,
+                       mesh=sh.parse_mesh(args.mesh) if args.mesh else None, rules=args.rules,
+                       prefill_chunk=args.prefill_chunk, engram_host=not args.engram_on_device,
+                       kernels=args.kernels, sweep=sweep)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    print(format_report(r))
+    return 0
+
+
+def format_report(r: dict) -> str:
+    g = lambda b: f"{b / GIB:.2f} GiB"
+    lines = [f"{r['model']} on {r['topology']} ({r['chips']} × {r['device_kind']}), mesh {r['mesh']}, "
+             f"rules {r['rules']}, weights {r['weights']}, batch {r['batch']}, context {r['context']}"]
+    for kind in ("decode", "prefill"):
+        if kind not in r:
+            continue
+        s, m = r[kind], r[kind]["memory_per_chip"]
+        hbm = "?" if m["hbm"] is None else g(m["hbm"])
+        lines += [f"{kind} (seq {s['seq']}): lowered in {s['lower_s']} s, compiled in {s['compile_s']} s",
+                  f"  per chip: arguments {g(m['arguments'])} (params {g(m['params_on_device'])}, "
+                  f"cache {g(m['cache'])}), temporaries {g(m['temporaries'])}, total {g(m['total'])} of {hbm} HBM"
+                  f"{'' if m['fits'] is None else (' — fits' if m['fits'] else ' — DOES NOT FIT')}",
+                  f"  Engram tables in host memory: {g(m['engram_host'])} per chip",
+                  f"  XLA FLOPs per token: {s['flops_per_token']:.4g} ({s['flops_per_chip']:.4g} per chip per step)"]
+        for k, v in s["collectives_per_chip"].items():
+            lines.append(f"  {k}: {v['ops']} ops, {v['bytes'] / 2**20:.1f} MiB per chip")
+    for p in r.get("context_sweep", []):
+        lines.append(f"  context {p['context']:>8}: decode FLOPs/token {p['flops_per_token']:.4g} "
+                     f"({p['relative_to_4k']:.3f}× of 4K)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="dsv41")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

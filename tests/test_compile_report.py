@@ -1,0 +1,57 @@
+"""compile_report: AOT-compile a small decode for a TPU topology through libtpu (skipped without libtpu)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dsv41 import compile_report as cr
+
+
+def test_collective_bytes_reads_hlo_shapes():
+    hlo = "\n".join([
+        "  %all-reduce.1 = f32[8,128]{1,0} all-reduce(f32[8,128]{1,0} %x), replica_groups={}",
+        "  %ag = (bf16[4,64]{1,0}, bf16[4,64]{1,0}) all-gather-start(bf16[1,64]{1,0} %y), dimensions={0}",
+        "  %agd = bf16[4,64]{1,0} all-gather-done((bf16[4,64]{1,0}, bf16[4,64]{1,0}) %ag)",
+        "  %add = f32[8]{0} add(f32[8]{0} %a, f32[8]{0} %b)",
+    ])
+    out = cr.collective_bytes(hlo)
+    assert out["all-reduce"] == {"ops": 1, "bytes": 8 * 128 * 4}
+    assert out["all-gather"] == {"ops": 1, "bytes": 2 * 4 * 64 * 2}   # the start's tuple, the done not again
+    assert set(out) == {"all-reduce", "all-gather"}
+
+
+def test_decode_compiles_for_v5p_with_engram_in_host_memory():
+    pytest.importorskip("libtpu")
+    import dsv41
+    from dsv41 import config as config_lib
+    from test_sharding import small_config
+    d = small_config().to_dict()
+    d["architecture"]["engram"] = {"layers": [1], "max_ngram": 3, "heads_per_ngram": 2, "row_dim": 16,
+                                   "compressed_vocab_size": 256, "prime_floor": 100, "pad_id": 2}
+    cfg = config_lib.build(d)
+    r = cr.compile_report(cfg, "v5p:2x2x1", 8, 64, "fp8")
+    assert (r["chips"], r["mesh"]) == (4, {"expert": 4})
+    m = r["decode"]["memory_per_chip"]
+    rows = dsv41.engram_hash.EngramLayout.from_config(cr.report_config(cfg, "fp8", "reference")).rows_per_layer[0]
+    assert m["engram_host"] == rows * 16 * 2               # one bf16 table, whole on each chip's host
+    assert m["total"] >= m["arguments"] > 0 and m["fits"]
+    assert r["decode"]["flops_per_token"] > 0 and r["decode"]["compile_s"] > 0
+    # Experts split over 4 chips: each holds a quarter of the routed experts' fp8 bytes and all of the rest
+    # (fp8: one byte per matrix entry except the bf16 embedding; vectors bf16/fp32 as the model keeps them).
+    import jax
+    import numpy as np
+    a = cfg.architecture
+    # routed w1/w3/w2 and the router gate (fp8) and its balance bias (fp32) all carry the experts axis
+    experts = len(dsv41.layer_plan(cfg)) * a.moe.num_experts * (3 * a.hidden_size * a.moe.intermediate_size
+                                                                + a.hidden_size + 4)
+    whole = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(dsv41.model.abstract_params(cr.report_config(cfg, "fp8", "reference"))):
+        name = jax.tree_util.keystr(path)
+        if "engram" in name and "table" in name:
+            continue
+        fp8 = x.dtype == np.dtype("bfloat16") and x.ndim >= 2 and "embed'" not in name.split("]")[0]
+        whole += x.size * (1 if fp8 else x.dtype.itemsize)
+    assert m["params_on_device"] == whole - experts * 3 // 4
+    assert math.isclose(r["decode"]["flops_per_token"] * 8, r["decode"]["flops_per_chip"] * 4)
