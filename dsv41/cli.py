@@ -236,10 +236,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse and store the global KV of prompt prefixes in DIR (DESIGN §7; V4.1)")
     p.set_defaults(func=cmd_generate)
 
-    from dsv41 import convert, train
+    from dsv41 import compile_report, convert, train
 
     train.add_parser(sub).set_defaults(func=train.run)
     convert.add_parser(sub).set_defaults(func=convert.run)
+    compile_report.add_parser(sub)
     return parser
 
 

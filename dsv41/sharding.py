@@ -233,7 +233,6 @@ def _jitted(kind: str, key: str, mesh: Mesh, rules_key: tuple, shapes: tuple):
     tokens_shape, ids_shape = shapes[0], shapes[1]
     tok = batch_sharding(mesh, rules, tokens_shape, "tokens")
     ids = None if ids_shape is None else batch_sharding(mesh, rules, ids_shape, "engram_ids")
-    b = tokens_shape[0]
     if kind in ("forward", "grad"):
         body = functools.partial(model_lib._forward.__wrapped__, key)
         logits = NamedSharding(mesh, logical_spec(("batch", None, "vocab"), (*tokens_shape, cfg.architecture.vocab_size),

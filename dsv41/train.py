@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import time
 
 import jax

@@ -12,6 +12,8 @@ from dsv41 import cache as cache_lib
 from dsv41 import model, steps, transformers_io
 from conftest import DATA
 
+pytestmark = pytest.mark.slow  # the 12-layer tiny model's forward and cached steps compile
+
 N = 100  # prompt tokens: window wrapped, 50 ratio-2 entries, 100 ratio-1 entries
 
 

@@ -22,6 +22,7 @@ def test_collective_bytes_reads_hlo_shapes():
     assert set(out) == {"all-reduce", "all-gather"}
 
 
+@pytest.mark.slow
 def test_decode_compiles_for_v5p_with_engram_in_host_memory():
     pytest.importorskip("libtpu")
     import dsv41

@@ -210,6 +210,7 @@ def test_dequantisers_match_a_float64_decoding_of_every_code_with_edge_blocks():
     np.testing.assert_array_equal(convert.dequantize_mxfp4(packed, scales), want.astype(np.float32))
 
 
+@pytest.mark.slow
 def test_official_shards_convert_exactly_and_run_forward(case):
     cfg, tensors, root, oracle = case
     seen = []

@@ -54,6 +54,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_decode_like_one(tmp_path):
     coordinator = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4 " + FAST_COMPILE, JAX_PLATFORMS="cpu")

@@ -51,10 +51,12 @@ def forward_greedy(params, cfg, prompt, new, width=len(PROMPT) + NEW - 1, limit=
     return seq[len(prompt):]
 
 
+@pytest.mark.slow
 def test_greedy_equals_a_teacher_forced_loop_over_forward(model, greedy):
     assert greedy == forward_greedy(*model, PROMPT, NEW)
 
 
+@pytest.mark.slow
 def test_vocab_limit_draws_only_the_ids_below_it(model):
     assert gen.generate(*model, PROMPT, max_new_tokens=NEW, chunk=1, vocab_limit=100) == \
         forward_greedy(*model, PROMPT, NEW, limit=100)
@@ -82,11 +84,13 @@ def test_a_ragged_batch_in_chunks_equals_each_prompt_alone(model):
     assert gen.generate_batch(params, cfg, prompts, max_new_tokens=new, chunk=2, stop_tokens=[stop]) == cut
 
 
+@pytest.mark.slow
 def test_cache_length_is_the_next_multiple_of_the_compression_ratio(model):
     _, cfg = model
     assert [gen.cache_length(cfg, n) for n in (1, 5, 6, 7, 512)] == [2, 6, 6, 8, 512]
 
 
+@pytest.mark.slow
 def test_sampling_is_deterministic_given_the_seed(model):
     run = lambda seed: gen.generate(*model, PROMPT, max_new_tokens=NEW, temperature=1.0, seed=seed, chunk=1)
     first = run(1)
@@ -94,6 +98,7 @@ def test_sampling_is_deterministic_given_the_seed(model):
     assert run(2) != first
 
 
+@pytest.mark.slow
 def test_a_tiny_nucleus_is_greedy(model, greedy):
     assert gen.generate(*model, PROMPT, max_new_tokens=NEW, temperature=1.0, top_p=1e-6, seed=3,
                         chunk=1) == greedy
@@ -116,6 +121,7 @@ def test_sampler_draws_the_nucleus_distribution(temperature, top_p):
     assert (np.abs(freq - expected) <= 5 * sigma + 1e-12).all(), (freq, expected)
 
 
+@pytest.mark.slow
 def test_a_stop_token_ends_generation_and_is_not_returned(model, greedy):
     stop = greedy[1]
     streamed = []
@@ -139,6 +145,7 @@ def test_a_stop_token_ends_generation_and_is_not_returned(model, greedy):
     (PROMPT, {"vocab_limit": 0}, r"vocab_limit: 0: expected None or an integer in 1..256"),
     (PROMPT, {"vocab_limit": 300}, "vocab_limit: 300"),
 ])
+@pytest.mark.slow
 def test_bad_requests_are_refused(model, prompt, kwargs, message):
     with pytest.raises(ValueError, match=message):
         gen.generate(*model, prompt, **{"max_new_tokens": 1, **kwargs})
@@ -215,6 +222,7 @@ def greedy_h(model):
     return forward_greedy(*model, [104], 5)
 
 
+@pytest.mark.slow
 def test_cli_generate_streams_the_greedy_text(greedy_h, capsys):
     """In process, so it reuses the module's compiled steps; the same parameters (seed 0)."""
     assert cli.main(["generate", "--config", "tiny", "--prompt", "h", "--max-new-tokens", "5"]) == 0
@@ -224,6 +232,7 @@ def test_cli_generate_streams_the_greedy_text(greedy_h, capsys):
     assert "prefill:" in out.err.split("prompt 1 tokens")[0]  # the progress bar came first
 
 
+@pytest.mark.slow
 def test_cli_generate_stops_at_a_stop_token(greedy_h, capsys):
     argv = ["generate", "--config", "tiny", "--prompt", "h", "--max-new-tokens", "5", "--stop", str(greedy_h[2])]
     assert cli.main(argv) == 0
@@ -232,6 +241,7 @@ def test_cli_generate_stops_at_a_stop_token(greedy_h, capsys):
     assert "stopped at a stop token" in out.err
 
 
+@pytest.mark.slow
 def test_cli_generate_with_a_tokenizer_json_a_prompt_file_and_sampling(model, word_level, tmp_path, capsys):
     """"hello" is one token of the 5-id tokenizer; the command draws only those 5 ids (vocab_limit)."""
     (tmp_path / "prompt.txt").write_text("hello")

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import dsv41
@@ -20,6 +21,7 @@ def test_bf16_parameters_except_the_fp32_critical_ones():
         assert var.get_value().dtype == (jnp.float32 if fp32 else jnp.bfloat16), name
 
 
+@pytest.mark.slow
 def test_bf16_forward_tracks_fp32():
     """Same weights (rounded to bf16 once) and no hard thresholds to flip (quantisation off, every
     entry and expert selected): the bf16 compute policy stays within bf16 rounding of the fp32 one."""

@@ -69,12 +69,14 @@ def _copy_dir(cold, tmp_path):
 # Exact restores
 
 
+@pytest.mark.slow
 def test_cold_run_fills_the_store(cold):
     assert cold["info"] == pc_lib.RestoreInfo(0, "none")
     assert len(list(cold["dir"].glob("*.kv"))) == 3  # blocks 0..2: the prefix up to 96 of 100 tokens
     assert not list(cold["dir"].glob("*.swa"))       # enable_prefix_cache_global_only: rings stay in memory
 
 
+@pytest.mark.slow
 def test_pool_hit_equals_the_cold_prefill_exactly(model, cold):
     cfg, params, prompt = model
     logits, cache, infos = cold["pc"].prefill([prompt], MAX_LEN, chunk=CHUNK)
@@ -88,6 +90,7 @@ def test_pool_hit_equals_the_cold_prefill_exactly(model, cold):
     assert _global_rows_equal(restored, cold["cache"], 96, cfg)
 
 
+@pytest.mark.slow
 def test_replay_when_the_pool_entry_expired(model, cold, tmp_path):
     """Past the pool's TTL (not the store's) the rings are rebuilt by replaying the last 16 tokens; the
     replay reads the restored global KV and never rewrites it."""
@@ -105,6 +108,7 @@ def test_replay_when_the_pool_entry_expired(model, cold, tmp_path):
     assert int(cache.lengths[0]) == 96
 
 
+@pytest.mark.slow
 def test_replay_covering_the_whole_prefix_is_exact(model, tmp_path):
     """Blocks of 16 = the replay length: a 20-token prompt restores 16 tokens and replays all of them, so
     no window is truncated and the answer is the cold one."""
@@ -118,6 +122,7 @@ def test_replay_covering_the_whole_prefix_is_exact(model, tmp_path):
     assert np.abs(np.asarray(logits) - np.asarray(cold_logits)).max() < 1e-5
 
 
+@pytest.mark.slow
 def test_restart_replays_unless_rings_are_persisted(model, cold, tmp_path):
     """A new process has an empty pool: global KV from disk, rings by replay; with
     enable_prefix_cache_global_only = false (V4-style) the rings come from disk, exactly."""
@@ -171,6 +176,7 @@ def _flip(path):
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, counter", [(_truncate, "truncated"), (_flip, "corrupt")])
 def test_damaged_entry_is_a_miss(model, cold, tmp_path, damage, counter):
     cfg, params, prompt = model
@@ -182,6 +188,7 @@ def test_damaged_entry_is_a_miss(model, cold, tmp_path, damage, counter):
     assert _global_rows_equal(cache, cold["cache"], 32, cfg)
 
 
+@pytest.mark.slow
 def test_damaged_first_block_gives_the_cold_answer(model, cold, tmp_path):
     cfg, params, prompt = model
     pc = pc_lib.PrefixCache(cfg, params, _copy_dir(cold, tmp_path), block_tokens=BLOCK, clock=Clock())
@@ -192,6 +199,7 @@ def test_damaged_first_block_gives_the_cold_answer(model, cold, tmp_path):
     assert _block_file(pc, prompt, 0).exists()  # recomputed and stored again
 
 
+@pytest.mark.slow
 def test_entry_of_another_model_is_foreign(model, cold, tmp_path):
     cfg, params, prompt = model
     d = _copy_dir(cold, tmp_path)
@@ -206,6 +214,7 @@ def test_entry_of_another_model_is_foreign(model, cold, tmp_path):
     assert _global_rows_equal(cache, cold["cache"], 32, cfg)
 
 
+@pytest.mark.slow
 def test_two_writers_of_the_same_blocks(model, cold, tmp_path):
     """Two processes save the same prefix into one directory (and a crashed writer left a partial temp
     file): every entry is whole, and a reader restores the cold bytes."""
@@ -247,6 +256,7 @@ def test_entry_format_rejects_every_damage():
 # TTL and budgets
 
 
+@pytest.mark.slow
 def test_global_ttl_expires_blocks(model, cold, tmp_path):
     cfg, params, prompt = model
     clock = Clock()
@@ -329,6 +339,7 @@ def test_ced_schedule_pool_hit_is_exact_and_stores_the_same_global_kv(model, col
     assert np.array_equal(np.asarray(logits), np.asarray(cold_logits)) and _leaves_equal(cache, cold_cache)
 
 
+@pytest.mark.slow
 def test_block_size_must_close_every_group(model):
     cfg, params, _ = model
     with pytest.raises(dsv41.ConfigError, match=r"block_tokens' = 33: expected a positive multiple of 2"):
@@ -339,6 +350,7 @@ def test_block_size_must_close_every_group(model):
 # Through generate: a conversation
 
 
+@pytest.mark.slow
 def test_a_second_turn_reuses_the_first_turns_prefix(model, tmp_path):
     """Turn 1 (40 prompt tokens, 88 generated) stores block 0 and its rings; turn 2 resends turn 1's
     prompt and the first 40 generated tokens plus 20 new ones: block 0 comes from the store and its
@@ -357,6 +369,7 @@ def test_a_second_turn_reuses_the_first_turns_prefix(model, tmp_path):
     assert second == cold
 
 
+@pytest.mark.slow
 def test_a_prefix_cache_of_other_params_is_refused(model, tmp_path):
     from dsv41 import generate as generate_lib
 

@@ -143,6 +143,7 @@ def test_main_process_keeps_one_device():
     assert jax.device_count() == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(MESHES)))
 def test_forward_and_steps_equal_single_device(results, index):
     r = results["meshes"][index]
@@ -157,6 +158,7 @@ def _batch(shape):
     return axes[0] if len(axes) == 1 else axes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(MESHES)))
 def test_serve_specs_follow_rules(results, index):
     shape, specs = MESHES[index], results["meshes"][index]["specs"]
@@ -174,6 +176,7 @@ def test_serve_specs_follow_rules(results, index):
     assert specs["logits"] == f"P({batch}, None)"
 
 
+@pytest.mark.slow
 def test_train_fsdp_matches_single_device(results):
     r = results["train"]
     assert r["init"] < 1e-6, r    # the same random numbers (std 0.02) created in their shards (observed 7e-9)

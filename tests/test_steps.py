@@ -40,6 +40,7 @@ def test_capacity_errors():
         cache_lib.init_cache(cfg, 1, 1024)
 
 
+@pytest.mark.slow
 def test_decode_after_prefill_matches_the_port(port):
     d, cfg, params, token_map = port
     ids = d["input_ids"]
@@ -53,6 +54,7 @@ def test_decode_after_prefill_matches_the_port(port):
     assert int(c.lengths[0]) == 203
 
 
+@pytest.mark.slow
 def test_rows_of_different_lengths_in_chunks(port):
     """Two rows (203 and 150 tokens: prefixes of the port's sequence, so the port's one-shot logits
     are the reference for both) prefilled in uneven chunks, then decoded: window wrap, several pool
@@ -89,6 +91,7 @@ def test_prompt_beyond_the_cache_is_refused():
         steps.prefill(params, cfg, c, np.full((1, 4), 300))
 
 
+@pytest.mark.slow
 def test_ced_equals_full_when_the_replay_covers_the_prompt(port):
     """CED (DESIGN §3.5) is exact when every prompt token is replayed through the decoder."""
     d, cfg, params, token_map = port
@@ -104,6 +107,7 @@ def test_ced_equals_full_when_the_replay_covers_the_prompt(port):
     assert max(errors) < TOL, errors
 
 
+@pytest.mark.slow
 def test_ced_truncates_decoder_windows_to_the_replay(port):
     d, cfg, params, token_map = port
     ced = dsv41.config.build(cfg.to_dict(), ["runtime.prefill_schedule=ced"])

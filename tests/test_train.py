@@ -5,7 +5,6 @@ Reindex layer choosing inside its candidate pool). Compiling its train step take
 shared CPU, so the tests that train are marked slow; one compiled step serves all of them.
 """
 
-import json
 import math
 import os
 import shutil

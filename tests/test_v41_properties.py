@@ -7,6 +7,8 @@ import pytest
 import dsv41
 from dsv41 import model
 
+pytestmark = pytest.mark.slow  # the 12-layer tiny model's forward with intermediates compiles
+
 
 @pytest.fixture(scope="module")
 def run():
