@@ -360,24 +360,11 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, mesh: Mesh, rule
     if cfg.runtime.prefill_schedule != "full":
         raise ConfigError("runtime.prefill_schedule", cfg.runtime.prefill_schedule,
                           "expected 'full' for the sharded steps (the CED schedule is not wrapped yet)")
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 2 or tokens.shape[1] == 0:
-        raise ValueError(f"tokens: shape {tokens.shape}: expected [batch, seq] with seq >= 1")
-    b, s = tokens.shape
-    counts = np.full((b,), s, np.int32) if lengths is None else np.asarray(lengths, np.int32)
-    if counts.shape != (b,) or (counts < 0).any() or (counts > s).any():
-        raise ValueError(f"lengths: {counts.tolist()}: expected {b} counts in 0..{s}")
-    vocab = cfg.architecture.vocab_size
-    live = np.arange(s)[None, :] < counts[:, None]
-    if ((tokens < 0) | (tokens >= vocab))[live].any():
-        raise ValueError(f"tokens: ids outside 0..{vocab - 1} in the live positions")
     held = to_host(cache.lengths)
     cap = steps_lib.capacity(cfg, cache)
-    if (held + counts > cap).any():
-        row = int(np.argmax(held + counts > cap))
-        raise ValueError(f"row {row}: {int(held[row])} cached + {int(counts[row])} new tokens exceed the cache's "
-                         f"capacity of {cap} tokens (maximum context length {min(cap, cfg.context_window)})")
-    tokens = np.where(live, tokens, 0).astype(np.int32)
+    tokens, counts = steps_lib.check_tokens(cfg, tokens, lengths, held, cap)
+    tokens = tokens.astype(np.int32)
+    b = tokens.shape[0]
     host_view = dataclasses.replace(cache, recent_tokens=to_host(cache.recent_tokens))
     ids, recent = steps_lib._engram(cfg, host_view, tokens, counts, held, token_map)
     ids = None if ids is None else np.asarray(ids)

@@ -40,27 +40,11 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, 
     through the decoder, their windows truncated to the replayed span, and give the logits (on other
     chunks the returned logits are None).
     """
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 2 or tokens.shape[1] == 0:
-        raise ValueError(f"tokens: shape {tokens.shape}: expected [batch, seq] with seq >= 1")
-    b, s = tokens.shape
-    counts = np.full((b,), s, np.int32) if lengths is None else np.asarray(lengths, np.int32)
-    if counts.shape != (b,) or (counts < 0).any() or (counts > s).any():
-        raise ValueError(f"lengths: {counts.tolist()}: expected {b} counts in 0..{s}")
-    vocab = cfg.architecture.vocab_size
-    live = np.arange(s)[None, :] < counts[:, None]
-    if ((tokens < 0) | (tokens >= vocab))[live].any():
-        bad = tokens[live & ((tokens < 0) | (tokens >= vocab))]
-        raise ValueError(f"tokens: ids {sorted(set(bad.tolist()))[:8]}: expected 0..{vocab - 1}")
     if cfg.architecture.family == schema.V41 and cfg.quant != "qat":
         raise ConfigError("quant", cfg.quant, "expected 'qat': the cache stores the quantised formats")
     held = np.asarray(cache.lengths)
-    cap = capacity(cfg, cache)
-    if (held + counts > cap).any():
-        row = int(np.argmax(held + counts > cap))
-        raise ValueError(f"row {row}: {int(held[row])} cached + {int(counts[row])} new tokens exceed the cache's "
-                         f"capacity of {cap} tokens (maximum context length {min(cap, cfg.context_window)})")
-    tokens = np.where(live, tokens, 0)
+    tokens, counts = check_tokens(cfg, tokens, lengths, held, capacity(cfg, cache))
+    s = tokens.shape[1]
     ids, recent = _engram(cfg, cache, tokens, counts, held, token_map)
     key = model_lib.config_key(cfg)
     if cfg.runtime.prefill_schedule == "ced" and cfg.architecture.family != schema.V41:
@@ -74,6 +58,29 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, 
     if recent is not None:
         cache = dataclasses.replace(cache, recent_tokens=jnp.asarray(recent, jnp.int32))
     return logits, cache
+
+
+def check_tokens(cfg, tokens, lengths, held_B, cap: int):
+    """The host checks of a prefill call: tokens [B, S] (row b: its first lengths[b]; default all) must be
+    vocabulary ids and fit the cache beside the held_B tokens each row holds. Returns (tokens with the
+    padding set to 0, counts [B] int32); raises ValueError naming what is wrong."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] == 0:
+        raise ValueError(f"tokens: shape {tokens.shape}: expected [batch, seq] with seq >= 1")
+    b, s = tokens.shape
+    counts = np.full((b,), s, np.int32) if lengths is None else np.asarray(lengths, np.int32)
+    if counts.shape != (b,) or (counts < 0).any() or (counts > s).any():
+        raise ValueError(f"lengths: {counts.tolist()}: expected {b} counts in 0..{s}")
+    vocab = cfg.architecture.vocab_size
+    live = np.arange(s)[None, :] < counts[:, None]
+    if ((tokens < 0) | (tokens >= vocab))[live].any():
+        bad = tokens[live & ((tokens < 0) | (tokens >= vocab))]
+        raise ValueError(f"tokens: ids {sorted(set(bad.tolist()))[:8]}: expected 0..{vocab - 1}")
+    if (held_B + counts > cap).any():
+        row = int(np.argmax(held_B + counts > cap))
+        raise ValueError(f"row {row}: {int(held_B[row])} cached + {int(counts[row])} new tokens exceed the cache's "
+                         f"capacity of {cap} tokens (maximum context length {min(cap, cfg.context_window)})")
+    return np.where(live, tokens, 0), counts
 
 
 def decode(params, cfg, cache: Cache, next_tokens, *, token_map=None):
