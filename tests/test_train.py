@@ -294,8 +294,11 @@ def test_remat_gives_the_same_loss_and_gradients(cfg, remat):
     got_v, got_g = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, remat)
     np.testing.assert_allclose(float(got_v), float(want_v), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(want_g), jax.tree.leaves(got_g)):
-        # fp32 recomputation reassociates a few sums: relative 1e-3 of entries ~1e-3 (measured 5e-4)
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-3, atol=1e-6)
+        # Per leaf, in norm: fp32 recomputation reassociates sums, and a rounding-level change can flip a
+        # near-tie top-k pick at one position, which moves a few entries by up to ~2e-1 relative (seen in
+        # CI at one token of 96) while the leaf as a whole stays within ~1e-4. A wrong block wiring is O(1).
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(b - a) <= 1e-3 * np.linalg.norm(a) + 1e-6, (np.linalg.norm(b - a), np.linalg.norm(a))
 
 
 def test_cli_parser():
