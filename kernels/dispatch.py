@@ -39,6 +39,13 @@ def _triton_can_take(h: int, k: int, block_keys: int) -> bool:
     return h >= 16 and pow2(h) and pow2(k) and pow2(block_keys)
 
 
+def _attention_reference(impl: str, q, block_keys: int) -> bool:
+    """The reference runs when `impl` says so, or on GPU for a shape Triton cannot tile."""
+    h, k = q.shape[-2:]
+    return impl == "reference" or (impl == "pallas" and jax.default_backend() == "gpu"
+                                   and not _triton_can_take(h, k, block_keys))
+
+
 def sparse_decode_attention(q_BHK, window_values_BWK, window_scales_BWX, window_ok_BW, entries_BNK2,
                             entry_scales_BNX, picks_Bk, sink_H, scale: float, *, mode: str = "auto",
                             block_keys: int = 128):
@@ -46,9 +53,7 @@ def sparse_decode_attention(q_BHK, window_values_BWK, window_scales_BWX, window_
     args = (q_BHK, window_values_BWK, window_scales_BWX, window_ok_BW, entries_BNK2, entry_scales_BNX, picks_Bk,
             sink_H, scale)
     impl = resolve(mode)
-    h, k = q_BHK.shape[-2:]
-    if impl == "reference" or (impl == "pallas" and jax.default_backend() == "gpu"
-                               and not _triton_can_take(h, k, block_keys)):
+    if _attention_reference(impl, q_BHK, block_keys):
         return sparse_attention.sparse_decode_attention_reference(*args)
     return sparse_attention.sparse_decode_attention(*args, block_keys=block_keys,
                                                     interpret=impl == "pallas_interpret")
@@ -61,9 +66,7 @@ def sparse_attention_chunk(q_BSHK, window_values_BTK, window_scales_BTX, window_
     args = (q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2, entry_scales_BNX, picks_BSk,
             sink_H, scale)
     impl = resolve(mode)
-    h, k = q_BSHK.shape[-2:]
-    if impl == "reference" or (impl == "pallas" and jax.default_backend() == "gpu"
-                               and not _triton_can_take(h, k, block_keys)):
+    if _attention_reference(impl, q_BSHK, block_keys):
         return sparse_attention.sparse_attention_reference(*args)
     return sparse_attention.sparse_attention(*args, block_keys=block_keys, interpret=impl == "pallas_interpret")
 
