@@ -15,7 +15,8 @@ Presets:
   heads and intermediate widths over `tensor`.
 
 The sharded steps are jax.jit of the same bodies as `dsv41.model` / `dsv41.steps` (their un-jitted
-functions, `__wrapped__`) with explicit in/out shardings and the cache donated.
+functions, `__wrapped__`) with explicit in/out shardings and the cache donated, traced with the MoE layers
+expert-parallel (`dsv41.nn.moe.expert_parallel`, layout from the rules: `expert_layout`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dsv41 import model as model_lib
 from dsv41 import steps as steps_lib
 from dsv41.cache import Cache, CompressedKV, abstract_cache
 from dsv41.errors import ConfigError
+from dsv41.nn import moe as moe_lib
 from dsv41.plan import layer_plan
 
 MESH_AXES = ("data", "expert", "tensor")
@@ -194,6 +196,30 @@ def batch_sharding(mesh: Mesh, rules, shape, what: str) -> NamedSharding:
     return NamedSharding(mesh, logical_spec(axes, shape, mesh, rules, what=what, strict=True))
 
 
+def expert_layout(cfg, mesh: Mesh, rules="serve") -> moe_lib.ExpertLayout:
+    """The routed experts' layout under the rules: token rows over the "batch" mesh axes, and the experts
+    and intermediate width of the routed weights [experts, embed, mlp] over the mesh axes their parameter
+    sharding gives them (the embed split of FSDP rules is gathered on entry to the shard_map)."""
+    rules = rules_for(rules)
+    a, m = cfg.architecture, cfg.architecture.moe
+    spec = logical_spec(("experts", "embed", "mlp"), (m.num_experts, a.hidden_size, m.intermediate_size), mesh,
+                        rules, what="routed experts")
+    names = lambda s: () if s is None else (s,) if isinstance(s, str) else tuple(s)
+    tokens = tuple(name for name in rules.get("batch", ()) if mesh.shape.get(name, 1) > 1)
+    return moe_lib.ExpertLayout(mesh, tokens, names(spec[0]), names(spec[2]))
+
+
+def _expert_parallel(fn, cfg, mesh: Mesh, rules):
+    """fn, traced with the MoE layers expert-parallel as the rules lay the experts out on the mesh."""
+    layout = expert_layout(cfg, mesh, rules)
+
+    def traced(*args):
+        with moe_lib.expert_parallel(layout):
+            return fn(*args)
+
+    return traced
+
+
 def put(x, sharding: NamedSharding):
     """A global array from a host value every process holds in full (works on one host and on many)."""
     x = np.asarray(x)
@@ -234,7 +260,7 @@ def _jitted(kind: str, key: str, mesh: Mesh, rules_key: tuple, shapes: tuple):
     tok = batch_sharding(mesh, rules, tokens_shape, "tokens")
     ids = None if ids_shape is None else batch_sharding(mesh, rules, ids_shape, "engram_ids")
     if kind in ("forward", "grad"):
-        body = functools.partial(model_lib._forward.__wrapped__, key)
+        body = _expert_parallel(functools.partial(model_lib._forward.__wrapped__, key), cfg, mesh, rules)
         logits = NamedSharding(mesh, logical_spec(("batch", None, "vocab"), (*tokens_shape, cfg.architecture.vocab_size),
                                                   mesh, rules, what="logits"))
         if kind == "forward":
@@ -264,7 +290,7 @@ def step_function(cfg, mesh: Mesh, rules="serve", *, tokens_shape, ids_shape=Non
     rows = batch_sharding(mesh, rules, (b,), "lengths")
     logits = NamedSharding(mesh, logical_spec(("batch", "vocab"), (b, cfg.architecture.vocab_size), mesh, rules,
                                               what="logits"))
-    step = functools.partial(steps_lib._step.__wrapped__, key)
+    step = _expert_parallel(functools.partial(steps_lib._step.__wrapped__, key), cfg, mesh, rules)
 
     def body(params, cache, tokens_BS, counts_B, ids_BSLC):
         if engram_host and ids_BSLC is not None:

@@ -5,7 +5,8 @@ must be set before JAX starts; this pytest process keeps its one device). The mo
 cut to 5 layers (window-only ×2, Full ratio 2, Full ratio 1 building the pool, Reindex) with 3 Sinkhorn
 iterations: every mechanism stays, and XLA compiles each program in seconds instead of a minute (the
 Sinkhorn loop is unrolled). Tolerance: fp32 logits within 1e-5 absolute (they are O(1); observed ~3e-7,
-the reduction order differs between shardings).
+the reduction order differs between shardings). Every sharded step runs its MoE layers expert-parallel:
+the traced programs hold one shard_map per layer (two with the gradient: the layer and its transpose).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def _checks() -> dict:
     from dsv41 import model as model_lib
     from dsv41 import sharding as sh
 
+    def shard_maps(fn, *args) -> int:
+        return str(fn.trace(*args).jaxpr).count("shard_map[")
+
     assert jax.device_count() == 8, jax.devices()
     cfg = small_config()
     rng = np.random.default_rng(0)
@@ -68,7 +72,7 @@ def _checks() -> dict:
         ref_steps.append(np.asarray(logits))
     ref_cache = jax.tree.map(np.asarray, cache)
 
-    out = {"meshes": []}
+    out = {"meshes": [], "layers": len(dsv41.layer_plan(cfg))}
     lap("reference")
     for shape in MESHES:
         mesh = sh.make_mesh(shape)
@@ -81,6 +85,12 @@ def _checks() -> dict:
         for t in steps:
             logits, c = sh.decode(p, cfg, c, t, mesh=mesh, rules="serve")
             got.append(np.asarray(logits))
+        key, rules = model_lib.config_key(cfg), sh._rules_key("serve")
+        fwd_shapes, fwd_args = sh._forward_inputs(cfg, mesh, "serve", tokens, None, None)
+        step_args = (p, c, sh.put(steps[0][:, None], sh.batch_sharding(mesh, "serve", (b, 1), "tokens")),
+                     sh.put(np.ones(b, np.int32), sh.batch_sharding(mesh, "serve", (b,), "lengths")), None)
+        traced = {"forward": shard_maps(sh._jitted("forward", key, mesh, rules, fwd_shapes), p, *fwd_args),
+                  "decode": shard_maps(sh._jitted("step", key, mesh, rules, ((b, 1), None, cap)), *step_args)}
         cache_diff = max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max(initial=0.0))
                          for x, y in zip(jax.tree.leaves(c), jax.tree.leaves(ref_cache)))
         layer = p["layers"][2]
@@ -89,6 +99,7 @@ def _checks() -> dict:
             "forward": float(np.abs(fwd - ref_fwd).max()),
             "steps": [float(np.abs(x - y).max()) for x, y in zip(got, ref_steps)],
             "cache": cache_diff,
+            "shard_maps": traced,
             "specs": {
                 "ffn.w1": str(layer["ffn"]["w1"][...].sharding.spec),
                 "ffn.w2": str(layer["ffn"]["w2"][...].sharding.spec),
@@ -111,7 +122,10 @@ def _checks() -> dict:
     ref_loss, ref_grad = jax.jit(jax.value_and_grad(lambda q: sh.next_token_loss(
         model_lib._forward(model_lib.config_key(cfg), q, tokens, positions, None), tokens)))(params)
     loss, grad = sh.loss_and_grad(p, cfg, tokens, mesh, "train")
+    shapes, args = sh._forward_inputs(cfg, mesh, "train", tokens, None, None)
+    grad_fn = sh._jitted("grad", model_lib.config_key(cfg), mesh, sh._rules_key("train"), shapes)
     out["train"] = {
+        "shard_maps": shard_maps(grad_fn, p, *args),
         "init": init_diff,
         "loss": float(abs(loss - ref_loss)),
         "grad": max(float(np.abs(np.asarray(x) - np.asarray(y)).max(initial=0.0))
@@ -151,6 +165,8 @@ def test_forward_and_steps_equal_single_device(results, index):
     assert r["forward"] < TOL, r
     assert len(r["steps"]) == 3 and max(r["steps"]) < TOL, r   # prefill, then two decode steps
     assert r["cache"] < TOL, r                                 # every cache leaf (bytes and fp32 leftovers)
+    # the MoE layers ran expert-parallel: one shard_map each in the forward and the decode step
+    assert r["shard_maps"] == {"forward": results["layers"], "decode": results["layers"]}, r
 
 
 def _batch(shape):
@@ -182,6 +198,7 @@ def test_train_fsdp_matches_single_device(results):
     assert r["init"] < 1e-6, r    # the same random numbers (std 0.02) created in their shards (observed 7e-9)
     assert r["loss"] < TOL, r
     assert r["grad"] < TOL * max(1.0, r["grad_scale"]), r
+    assert r["shard_maps"] == 2 * results["layers"], r   # each MoE layer and its transpose expert-parallel
     assert r["specs"]["ffn.w1"] == "P('expert', 'data', 'tensor')"
     assert r["specs"]["grad.ffn.w1"] == r["specs"]["ffn.w1"]
     assert r["specs"]["attn.wq_b"] == "P(('data', 'expert'), 'tensor')"

@@ -5,16 +5,27 @@ balancing term updated outside the gradient (a `BalanceBias` variable, stop-grad
 weights are s at the picks, normalised (+1e-20) and scaled by the route scale. An expert computes
 w2((silu(min(w1 x, L)) · clip(w3 x, ±L)) · weight). Routed tokens are sorted by expert and run
 through `jax.lax.ragged_dot`: no dense all-experts compute.
+Expert parallelism (DESIGN §9): traced inside `expert_parallel(layout)` on a mesh, the routed experts
+run in a `jax.shard_map`: each device gathers the tokens of its expert group, runs the picks that name
+its own experts (and its slice of the intermediate width), and the partial sums go back to the tokens'
+owners with a reduce-scatter. Exact: the same sums as on one device, in another order.
 V4 (compat, DESIGN §3.6): the first `hash_layers` layers pick their experts from a fixed token → experts
 table (`tid2eid`, a `HashRoute` variable) instead of the top-k; the weights are computed as above.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
 
+from dsv41.errors import ConfigError
 from dsv41.nn.linear import Dense, param
 from dsv41.nn.policy import Policy
 
@@ -74,19 +85,118 @@ class MoE(nnx.Module):
         return y.astype(x_BSD.dtype).reshape(shape)
 
     def routed(self, x_ND, weights_Nk, idx_Nk):
-        """Σ_k weight_k · expert_{idx_k}(x) in fp32, experts run over tokens sorted by expert."""
-        n, k = idx_Nk.shape
-        flat = idx_Nk.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-        xs = x_ND[order // k].astype(self.policy.compute_dtype)
-        dot = lambda a, w: jax.lax.ragged_dot(a, w[...].astype(self.policy.compute_dtype), sizes,
-                                              precision=self.policy.precision,
-                                              preferred_element_type=jnp.float32)
-        h = swiglu(dot(xs, self.w1), dot(xs, self.w3), self.limit) * weights_Nk.reshape(-1)[order][:, None]
-        ys = dot(h.astype(self.policy.compute_dtype), self.w2)
-        y = jnp.zeros_like(ys).at[order].set(ys)
-        return y.reshape(n, k, -1).sum(axis=1)
+        """Σ_k weight_k · expert_{idx_k}(x) [N, D] fp32: on one device, or expert-parallel when traced
+        inside `expert_parallel` with a mesh of more than one device."""
+        layout = _LAYOUT.get()
+        w = (self.w1[...], self.w3[...], self.w2[...])
+        if layout is None or layout.mesh.size == 1:
+            return experts(x_ND, weights_Nk, idx_Nk, *w, limit=self.limit, policy=self.policy)
+        return experts_parallel(layout, x_ND, weights_Nk, idx_Nk, *w, limit=self.limit, policy=self.policy)
+
+
+def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, policy: Policy):
+    """Σ_k weight_k · expert_{idx_k}(x) [N, D] fp32 over the G experts held here, the (token, k) picks sorted
+    by expert. A pick with idx == G names an expert held elsewhere: sorted past the last group, it gets no
+    work from ragged_dot and is dropped when the rows go back to their tokens."""
+    n, k = idx_Nk.shape
+    g = w1_GDI.shape[0]
+    flat = idx_Nk.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=g + 1)[:g].astype(jnp.int32)
+    xs = x_ND[order // k].astype(policy.compute_dtype)
+    dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(policy.compute_dtype), sizes, precision=policy.precision,
+                                          preferred_element_type=jnp.float32)
+    h = swiglu(dot(xs, w1_GDI), dot(xs, w3_GDI), limit) * weights_Nk.reshape(-1)[order][:, None]
+    ys = dot(h.astype(policy.compute_dtype), w2_GID)
+    back = jnp.where(flat[order] < g, order, n * k)
+    y = jnp.zeros_like(ys).at[back].set(ys, mode="drop")
+    return y.reshape(n, k, -1).sum(axis=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """Where the routed computation's operands live on a mesh: token rows split over `token_axes` (major
+    first), the experts dimension of w1/w3/w2 over `expert_axes`, their intermediate width over `tensor_axes`."""
+    mesh: Mesh
+    token_axes: tuple[str, ...]
+    expert_axes: tuple[str, ...]
+    tensor_axes: tuple[str, ...]
+
+    def __post_init__(self):
+        names = self.mesh.axis_names
+        for field in ("token_axes", "expert_axes", "tensor_axes"):
+            for a in getattr(self, field):
+                if a not in names:
+                    raise ConfigError(f"expert layout {field}", a, f"expected a mesh axis among {names}")
+        split = self.expert_axes + self.tensor_axes
+        if len(set(split)) < len(split):
+            raise ConfigError("expert layout", (self.expert_axes, self.tensor_axes),
+                              "expected experts and intermediate width split over distinct mesh axes")
+
+
+_LAYOUT: contextvars.ContextVar[ExpertLayout | None] = contextvars.ContextVar("dsv41_expert_layout", default=None)
+
+
+@contextlib.contextmanager
+def expert_parallel(layout: ExpertLayout | None):
+    """MoE layers traced inside run their routed experts as `layout` says (None: on one device).
+
+    Read at trace time: wrap the body of a jitted function, not its call site."""
+    token = _LAYOUT.set(layout)
+    try:
+        yield layout
+    finally:
+        _LAYOUT.reset(token)
+
+
+def experts_parallel(layout: ExpertLayout, x_ND, weights_Nk, idx_Nk, w1_EDI, w3_EDI, w2_EID, *, limit: float,
+                     policy: Policy):
+    """`experts` in a shard_map over layout.mesh (all-gather / reduce-scatter, exact).
+
+    A device holds N/T token rows (T = product of the token axes) and E/X experts (X = product of the
+    expert axes) with I/Y of their width (Y: tensor axes). Its group — the devices that together hold
+    one copy of every expert — gathers its token rows; each device runs the gathered picks that name its
+    experts over its width slice, and the partial outputs are summed back onto the rows' owners:
+    reduce-scatter over the token axes of the group, psum over the group's other axes. Rows are padded
+    with zero-weight picks of no expert when N is not a multiple of T. Static shapes: a device runs
+    ragged_dot over all of its group's picks (those of other devices' experts get no group), since
+    every pick may name its experts."""
+    mesh, tokens = layout.mesh, layout.token_axes
+    group = layout.expert_axes + layout.tensor_axes
+    gather = tuple(a for a in tokens if a in group)
+    reduce = tuple(a for a in group if a not in tokens)
+    e, _, inter = w1_EDI.shape
+    for field, split, size, what in (("expert_axes", layout.expert_axes, e, "experts"),
+                                     ("tensor_axes", layout.tensor_axes, inter, "intermediate width")):
+        if size % math.prod(mesh.shape[a] for a in split):
+            raise ConfigError(f"expert layout {field}", split,
+                              f"expected mesh axes whose sizes divide the {size} {what}")
+    n = x_ND.shape[0]
+    pad = -n % math.prod(mesh.shape[a] for a in tokens)
+    if pad:
+        x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
+        weights_Nk = jnp.pad(weights_Nk, ((0, pad), (0, 0)))
+        idx_Nk = jnp.pad(idx_Nk, ((0, pad), (0, 0)), constant_values=e)
+
+    def local(x, weights, idx, w1, w3, w2):
+        if gather:
+            x, weights, idx = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, weights, idx))
+        held = w1.shape[0]
+        first = jax.lax.axis_index(layout.expert_axes) * held if layout.expert_axes else 0
+        mine = idx - first
+        mine = jnp.where((mine >= 0) & (mine < held), mine, held)
+        y = experts(x, weights, mine, w1, w3, w2, limit=limit, policy=policy)
+        if gather:
+            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, reduce) if reduce else y
+
+    on = lambda names: None if not names else names[0] if len(names) == 1 else names   # a PartitionSpec entry
+    rows = P(on(tokens), None)
+    up = P(on(layout.expert_axes), None, on(layout.tensor_axes))
+    down = P(on(layout.expert_axes), on(layout.tensor_axes), None)
+    y = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, up, up, down), out_specs=rows)(
+        x_ND, weights_Nk, idx_Nk, w1_EDI, w3_EDI, w2_EID)
+    return y[:n]
 
 
 def swiglu(gate, up, limit: float):

@@ -1,0 +1,184 @@
+"""The expert-parallel MoE (`dsv41.nn.moe.experts_parallel`) equals the single-device MoE, forward and gradient.
+
+The comparison runs in a subprocess with 8 simulated CPU devices (XLA_FLAGS must be set before JAX starts):
+one MoE layer of configs/tiny.json (8 experts, top-2, shared expert) on meshes that split the experts, their
+width, both or neither, under the serve and train rules, with token counts that do and do not divide the
+token shards (padding). The reference is the same layer traced without `expert_parallel`, on one device.
+Tolerance: 1e-5 relative to each result's largest reference value (fp32 sums in another order; observed
+up to 1.4e-6 with the intermediate width split).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TOL = 1e-5
+CASES = [({"data": 8}, "serve", 0), ({"data": 2, "expert": 4}, "serve", 0),
+         ({"data": 2, "tensor": 2, "expert": 2}, "serve", 0), ({"data": 2, "tensor": 2, "expert": 2}, "train", 0),
+         ({"tensor": 2, "expert": 4}, "train", 0),
+         ({"data": 2, "expert": 4}, "serve", 6)]   # 6 experts: the expert axis does not divide them
+
+
+def _layer(experts: int = 0):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import dsv41
+    from dsv41.nn.moe import MoE
+    from dsv41.nn.policy import Policy
+    overrides = [f"architecture.moe.num_experts={experts}"] if experts else []
+    cfg = dsv41.load_config("tiny", overrides)
+    a, m = cfg.architecture, cfg.architecture.moe
+    layer = MoE(a.hidden_size, m.num_experts, m.top_k, m.intermediate_size, m.num_shared_experts, m.route_scale,
+                m.swiglu_limit, policy=Policy(jnp.float32, jnp.float32), rngs=nnx.Rngs(0))
+    return cfg, layer
+
+
+def _checks() -> dict:
+    """Runs in the 8-device subprocess; returns the measured differences."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    from dsv41 import sharding as sh
+    from dsv41.errors import ConfigError
+    from dsv41.nn import moe as moe_lib
+
+    assert jax.device_count() == 8, jax.devices()
+    out = {"cases": []}
+    refs = {}
+    for shape, rules, experts in CASES:
+        cfg, layer = _layer(experts)
+        graph, state = nnx.split(layer)
+        mesh = sh.make_mesh(shape)
+        layout = sh.expert_layout(cfg, mesh, rules)
+        for rows in (32, 21):   # 21 tokens: not a multiple of the token shards
+            key = jax.random.key(rows)
+            x = jax.random.normal(key, (1, rows, cfg.architecture.hidden_size), jnp.float32)
+            probe = jax.random.normal(jax.random.fold_in(key, 1), x.shape, jnp.float32)
+
+            def loss(state, x):
+                y = nnx.capture(nnx.merge(graph, state), nnx.Intermediate)(x)[0]
+                return jnp.sum(y * probe), y
+
+            grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+            def parallel(state, x):
+                with moe_lib.expert_parallel(layout):
+                    return grad(state, x)
+
+            if (experts, rows) not in refs:
+                refs[experts, rows] = jax.jit(grad)(state, x)
+            ref = refs[experts, rows]
+            placed = jax.tree.map(lambda v: v.replace(jax.device_put(v.get_value(), NamedSharding(
+                mesh, sh.logical_spec(v.get_metadata()["out_sharding"], v.get_value().shape, mesh, rules,
+                                      what="moe")))), state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+            got = jax.jit(parallel)(placed, x)
+            # per leaf (loss, output, each gradient), relative to the leaf's largest reference value
+            diff = max(float(np.abs(np.asarray(g) - np.asarray(r)).max() / np.abs(np.asarray(r)).max())
+                       for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)) if np.abs(np.asarray(r)).max() > 0)
+            w1_grad = np.asarray(got[1][0]["w1"][...])
+            out["cases"].append({
+                "shape": shape, "rules": rules, "experts": experts, "rows": rows,
+                "layout": [list(layout.token_axes), list(layout.expert_axes), list(layout.tensor_axes)],
+                "diff": diff,
+                # every expert received picks, so every expert's weights have a gradient
+                "experts_with_grad": int((np.abs(w1_grad).reshape(w1_grad.shape[0], -1).max(axis=1) > 0).sum()),
+                "shard_maps": str(jax.jit(parallel).trace(placed, x).jaxpr).count("shard_map["),
+            })
+
+    # A hand-made layout whose expert axis does not divide the experts.
+    cfg, layer = _layer(6)
+    mesh = sh.make_mesh({"data": 2, "expert": 4})
+    bad = moe_lib.ExpertLayout(mesh, ("data", "expert"), ("expert",), ())
+    try:
+        with moe_lib.expert_parallel(bad):
+            nnx.capture(layer, nnx.Intermediate)(jnp.zeros((1, 8, cfg.architecture.hidden_size)))
+        out["error"] = None
+    except ConfigError as e:
+        out["error"] = str(e)
+    return out
+
+
+def _run(mode: str, timeout: int = 600) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, __file__, mode], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def results():
+    return _run("checks")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_expert_parallel_equals_single_device(results, index):
+    shape, rules, experts = CASES[index]
+    cases = [r for r in results["cases"] if (r["shape"], r["rules"], r["experts"]) == (shape, rules, experts)]
+    assert [r["rows"] for r in cases] == [32, 21]
+    for r in cases:
+        assert r["diff"] < TOL, r                  # loss, output and every gradient (experts, router, input)
+        assert r["experts_with_grad"] == (experts or 8), r
+        assert r["shard_maps"] == 2, r            # the routed experts and their transpose ran in shard_maps
+
+
+@pytest.mark.slow
+def test_layouts_follow_rules(results):
+    layouts = {(json.dumps(r["shape"]), r["rules"], r["experts"]): r["layout"] for r in results["cases"]}
+    get = lambda shape, rules, experts=0: layouts[(json.dumps(shape), rules, experts)]
+    assert get({"data": 8}, "serve") == [["data"], [], []]
+    assert get({"data": 2, "expert": 4}, "serve") == [["data", "expert"], ["expert"], []]
+    assert get({"data": 2, "tensor": 2, "expert": 2}, "serve") == [["data", "expert", "tensor"], ["expert"], ["tensor"]]
+    assert get({"data": 2, "tensor": 2, "expert": 2}, "train") == [["data", "expert"], ["expert"], ["tensor"]]
+    assert get({"data": 2, "expert": 4}, "serve", 6) == [["data", "expert"], [], []]   # experts replicated
+
+
+@pytest.mark.slow
+def test_indivisible_expert_axis_is_an_error(results):
+    assert results["error"] is not None and "expert_axes" in results["error"] and "6 experts" in results["error"]
+
+
+def test_layout_errors_name_the_field():
+    import jax
+    from dsv41 import sharding as sh
+    from dsv41.errors import ConfigError
+    from dsv41.nn.moe import ExpertLayout
+    mesh = jax.make_mesh((1, 1, 1), sh.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    with pytest.raises(ConfigError, match="token_axes.*'batch'"):
+        ExpertLayout(mesh, ("batch",), (), ())
+    with pytest.raises(ConfigError, match="distinct mesh axes"):
+        ExpertLayout(mesh, ("data",), ("expert",), ("expert",))
+
+
+def test_one_device_mesh_runs_the_single_device_code():
+    import jax
+    import numpy as np
+    from flax import nnx
+    from dsv41 import sharding as sh
+    from dsv41.nn import moe as moe_lib
+    cfg, layer = _layer()
+    graph, state = nnx.split(layer)
+    mesh = jax.make_mesh((1, 1, 1), sh.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    x = jax.random.normal(jax.random.key(0), (2, 5, cfg.architecture.hidden_size))
+    plain = lambda x: nnx.capture(nnx.merge(graph, state), nnx.Intermediate)(x)[0]
+
+    def run(x):
+        with moe_lib.expert_parallel(sh.expert_layout(cfg, mesh, "serve")):
+            return plain(x)
+
+    assert "shard_map" not in str(jax.make_jaxpr(run)(x))
+    np.testing.assert_array_equal(np.asarray(jax.jit(run)(x)), np.asarray(jax.jit(plain)(x)))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    print(json.dumps({"checks": _checks}[sys.argv[1]]()))
