@@ -8,11 +8,16 @@ last step and the last tokens the Engram n-gram hashes look back on. Every shape
 one-byte formats are kept as their bits (uint8): a gather then moves bytes and nothing converts a
 whole store (`quant.to_bytes` / `quant.from_bytes` convert).
 
+A V4.1 config with `quant: none` (no fake-quant, DESIGN §3.8) gets the float cache: the same leaves
+with the entries [B, T, K], indexer keys [B, T, dI] and window ring [L, B, W, K] in the compute dtype
+and every scale leaf empty ([..., 0]); the steps then store and read exactly the values the
+teacher-forced forward computes, and run the XLA reference paths (the kernels read packed bytes).
+
 V4 (compat, DESIGN §4) runs unquantised (`quant: none`, as the released transformers V4 does), so its
-cache keeps the same leaves in the compute dtype: the window ring and every CSA/HCA layer's entries
-(and a CSA layer's indexer keys) as floats, the scale leaves empty ([..., 0]). Its overlapped CSA
-compressors look back one whole window, so their leftovers hold 2·ratio − 1 tokens, and a CSA layer's
-indexer (its own compressor) keeps its own leftovers. The byte accounting (`expected_bytes`) is V4.1's.
+cache is the float cache too: the window ring and every CSA/HCA layer's entries (and a CSA layer's
+indexer keys) as floats. Its overlapped CSA compressors look back one whole window, so their
+leftovers hold 2·ratio − 1 tokens, and a CSA layer's indexer (its own compressor) keeps its own
+leftovers. The byte accounting (`expected_bytes`) describes the quantised V4.1 cache only.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from dsv41.plan import layer_plan
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class CompressedKV:
-    """The global KV of one Full layer."""
+    """The global KV of one Full layer (as packed; the float cache holds entries [B, T, K] and index_keys
+    [B, T, dI] in the compute dtype and scale leaves [B, T, 0])."""
 
     entries: jax.Array        # uint8 [B, T, K/2]     FP4 E2M1, two per byte (even element low nibble)
     entry_scales: jax.Array   # uint8 [B, T, K/16]     the bits of E4M3 scales
@@ -45,6 +51,9 @@ class CompressedKV:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Cache:
+    """The whole inference state (as packed; the float cache: window [L, B, W, K] in the compute dtype and
+    window_scales [L, B, W, 0])."""
+
     lengths: jax.Array        # int32 [B]           tokens seen per row
     window: jax.Array         # uint8 [L, B, W, K]     the bits of FP8 E4M3 values; slot p % W holds position p
     window_scales: jax.Array  # uint8 [L, B, W, K/32]  the bits of UE8M0 scales
@@ -64,6 +73,13 @@ def _shapes(cfg, batch: int, max_len: int) -> dict:
     a = cfg.architecture
     k, w = a.head_dim, cfg.kv_cache.swa_window_size
     d_i = cfg.csa2.indexer.head_dim
+    packed = cfg.quant == "qat"
+    # Packed: two FP4 codes a byte and one scale per block; float (quant none): one value an element.
+    dtype, per_element = (jnp.uint8, 2) if packed else (policy_lib.from_config(cfg).compute_dtype, 1)
+
+    def scales(width, fmt):
+        return width // quant.BLOCK[fmt] if packed else 0
+
     plan = layer_plan(cfg)
     compressed = []
     for r in plan:
@@ -71,15 +87,15 @@ def _shapes(cfg, batch: int, max_len: int) -> dict:
             continue
         t = max_len // r.ratio
         compressed.append(CompressedKV(
-            entries=_sds((batch, t, k // 2), jnp.uint8),
-            entry_scales=_sds((batch, t, k // quant.BLOCK[quant.FP4_E4M3_16]), jnp.uint8),
-            index_keys=_sds((batch, t, d_i // 2), jnp.uint8),
-            index_scales=_sds((batch, t, d_i // quant.BLOCK[quant.MXFP4]), jnp.uint8),
+            entries=_sds((batch, t, k // per_element), dtype),
+            entry_scales=_sds((batch, t, scales(k, quant.FP4_E4M3_16)), jnp.uint8),
+            index_keys=_sds((batch, t, d_i // per_element), dtype),
+            index_scales=_sds((batch, t, scales(d_i, quant.MXFP4)), jnp.uint8),
             leftover=_sds((batch, r.ratio - 1, 2 * k), jnp.float32),
             index_leftover=_sds((batch, 0, 0), jnp.float32),
         ))
-    return _common(cfg, plan, batch, _sds((len(plan), batch, w, k), jnp.uint8),
-                   _sds((len(plan), batch, w, k // quant.BLOCK[quant.FP8_UE8M0_32]), jnp.uint8), compressed)
+    return _common(cfg, plan, batch, _sds((len(plan), batch, w, k), dtype),
+                   _sds((len(plan), batch, w, scales(k, quant.FP8_UE8M0_32)), jnp.uint8), compressed)
 
 
 def _shapes_v4(cfg, batch: int, max_len: int) -> dict:
@@ -126,7 +142,8 @@ def _sds(shape, dtype):
 
 
 def quantised(cache: Cache) -> bool:
-    """True when the cache holds the packed formats (V4.1), False for the float cache of V4 compat."""
+    """True when the cache holds the packed formats (V4.1 with quant qat), False for the float cache
+    (quant none: V4.1 for comparisons, V4 compat)."""
     return cache.window.dtype == jnp.uint8
 
 
@@ -165,10 +182,13 @@ def nbytes(cache) -> int:
 
 def expected_bytes(cfg, batch: int, max_len: int) -> dict:
     """The accounting the cache must equal: kv_bytes_per_token × capacity + the fixed per-sequence part
-    (V4.1; the V4 compat cache is unquantised and is not what V4's accounting describes)."""
+    (the quantised V4.1 cache; a float cache, V4 compat or quant none, is not what it describes)."""
     if cfg.architecture.family != schema.V41:
         raise ConfigError("architecture.family", cfg.architecture.family,
                           f"expected {schema.V41!r}: the V4 compat cache stores floats, not V4's published formats")
+    if cfg.quant != "qat":
+        raise ConfigError("quant", cfg.quant, "expected 'qat': the byte accounting describes the quantised V4.1 "
+                          "cache, and quant 'none' stores floats (cache.nbytes gives their size)")
     per_token = accounting.kv_bytes_per_token(cfg)["total"]
     fixed = accounting.fixed_bytes_per_sequence(cfg)
     return {"global_kv": batch * per_token * max_len, "fixed": batch * fixed["total"],

@@ -8,9 +8,10 @@ the config fields that change the KV, so one key names the whole prefix up to th
 - The **store** (local disk, TTL `kv_cache.persistent_cache.global_kv_ttl_hours`, a byte budget with
   LRU eviction) keeps per block only global KV: for every Full layer the rows of each per-entry leaf of
   its `CompressedKV` (packed FP4 main entries + E4M3 scales, indexer keys + UE8M0 scales: block/ratio
-  rows each) and the per-sequence leaves (the compressor leftovers) at the block's end when they are
-  not the empty state. One file per block, written atomically, checked by sha256 and by a header
-  (fingerprint, key, block tokens, array shapes) before any byte is used.
+  rows each; with `quant: none` the float entries and keys, and empty scales) and the per-sequence
+  leaves (the compressor leftovers) at the block's end when they are not the empty state. One file per
+  block, written atomically, checked by sha256 and by a header (fingerprint, key, block tokens, array
+  shapes) before any byte is used.
 - The **pool** (host memory, TTL `swa_kv_ttl_minutes`, a byte budget, LRU) keeps the window rings at a
   block's end: per layer `window` [L, W, K], `window_scales` [L, W, K/32], `window_start` [L].
   With `swa_bounded_replay.enable_prefix_cache_global_only` false they are also persisted on disk
@@ -299,7 +300,8 @@ class PrefixCache:
         pc.save(prompt_ids[:q], cache, row=0)                         # cache.lengths[row] == q
 
     Args:
-      cfg, params: the model (a V4.1 config with `quant = qat`: the store keeps the packed formats).
+      cfg, params: the model (a V4.1 config; the store keeps the cache's leaves as they are: the packed
+        formats with quant qat, floats with quant none, which the fingerprint tells apart).
       directory: the store's folder (default: $DSV41_PREFIX_CACHE or ~/.cache/dsv41/prefix_cache).
       block_tokens: tokens per block; default `kv_cache.persistent_cache.block_tokens` when the config
         has that field, else 256. Must be a positive multiple of every compression ratio.
@@ -317,9 +319,10 @@ class PrefixCache:
                  disk_budget_bytes: int = DEFAULT_DISK_BUDGET, pool_budget_bytes: int = DEFAULT_POOL_BUDGET,
                  clock=time.time, weights_id: str | None = None, token_map=None,
                  replay_tokens: tuple[int, int] | None = None):
-        if cfg.architecture.family != schema.V41 or cfg.quant != "qat":
+        if cfg.architecture.family != schema.V41:
             raise ConfigError("architecture.family", cfg.architecture.family,
-                              "expected 'v41' with quant 'qat': the prefix cache stores V4.1's packed formats")
+                              f"expected {schema.V41!r}: the prefix cache stores V4.1's global KV and replays "
+                              "V4.1's windows")
         self.cfg, self.params, self.token_map = cfg, params, token_map
         pc = cfg.kv_cache.persistent_cache
         if block_tokens is None:

@@ -40,8 +40,6 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, 
     through the decoder, their windows truncated to the replayed span, and give the logits (on other
     chunks the returned logits are None).
     """
-    if cfg.architecture.family == schema.V41 and cfg.quant != "qat":
-        raise ConfigError("quant", cfg.quant, "expected 'qat': the cache stores the quantised formats")
     held = np.asarray(cache.lengths)
     tokens, counts = check_tokens(cfg, tokens, lengths, held, capacity(cfg, cache))
     s = tokens.shape[1]

@@ -8,6 +8,9 @@ queries against every visible key; a Reindex layer scores only the keys of the c
 gathered from the store, so its cost per query does not grow with the context; the attention
 gathers each query's selected entries and runs one softmax with the sink over [window | selected].
 Rows may hold different lengths and bring different numbers of new tokens (`valid_BS`).
+The float cache (`quant: none`, and V4 compat) stores the values themselves: nothing is quantised on
+the way in, the dequantisers pass floats through, and the XLA reference paths run (the Pallas kernels
+read the packed bytes).
 """
 
 from __future__ import annotations
@@ -51,12 +54,24 @@ def gather_rows(store, index_BSk):
     return store[b, jnp.clip(index_BSk, 0, store.shape[1] - 1)]
 
 
-def dequant_entries(packed, scale_bytes):
-    return quant.dequantize_fp4_e4m3_16(quant.unpack_fp4(packed), quant.from_bytes(scale_bytes, jnp.float8_e4m3fn))
+def packed(store) -> bool:
+    """True when a store leaf holds the packed bytes, False for the float cache."""
+    return store.dtype == jnp.uint8
 
 
-def dequant_keys(packed, scale_bytes):
-    return quant.dequantize_mxfp4(quant.unpack_fp4(packed), quant.from_bytes(scale_bytes, jnp.float8_e8m0fnu))
+def dequant_entries(packed_values, scale_bytes):
+    """FP4 main entries (+ E4M3 scale bytes) -> float32; the float cache's entries as they are."""
+    if not packed(packed_values):
+        return packed_values
+    return quant.dequantize_fp4_e4m3_16(quant.unpack_fp4(packed_values),
+                                        quant.from_bytes(scale_bytes, jnp.float8_e4m3fn))
+
+
+def dequant_keys(packed_values, scale_bytes):
+    """MXFP4 indexer keys (+ UE8M0 scale bytes) -> float32; the float cache's keys as they are."""
+    if not packed(packed_values):
+        return packed_values
+    return quant.dequantize_mxfp4(quant.unpack_fp4(packed_values), quant.from_bytes(scale_bytes, jnp.float8_e8m0fnu))
 
 
 def dequant_window(value_bytes, scale_bytes):
@@ -132,9 +147,9 @@ def pool_gather_scores(q_BSJd, w_BSJ, store: CompressedKV, block_ids_BSn, block:
 def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_start_B, published: dict,
                    stores: dict, entries_ready: bool = False):
     """One layer over the cache. `ring` = (values [B,W,K], scales [B,W,K/32]) of this layer, holding
-    positions >= window_start (FP8 bytes; V4 compat: floats and no scales); `stores` maps the layers that
-    own a compressor to their CompressedKV (updated in place in the dict); `entries_ready`: the
-    compressor already wrote these tokens' entries (a CED replay). Returns (y [B,S,D], ring)."""
+    positions >= window_start (FP8 bytes; the float cache: floats and no scales); `stores` maps the
+    layers that own a compressor to their CompressedKV (updated in place in the dict); `entries_ready`:
+    the compressor already wrote these tokens' entries (a CED replay). Returns (y [B,S,D], ring)."""
     rec = attn.record
     b, s, _ = x_BSD.shape
     counts = valid_BS.sum(-1).astype(jnp.int32)
@@ -147,7 +162,7 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_
     q = apply_rope(q, positions_BS, inv_freq)
     kv = apply_rope(attn.kv_norm(attn.wkv(x_BSD)), positions_BS, inv_freq)
     ring_vals, ring_scales = ring
-    quantised = ring_vals.dtype == jnp.uint8
+    quantised = packed(ring_vals)
     if quantised:  # the FP8 ring (V4.1)
         kv_vals, kv_scales = quant.quantize_fp8_ue8m0_32(kv)
         kv = quant.dequantize_fp8_ue8m0_32(kv_vals, kv_scales).astype(x_BSD.dtype)
@@ -227,8 +242,14 @@ def write_entries(attn, x_BSD, lengths_B, counts_B, stores):
     store = stores[rec.index]
     latent, entry, done, leftover = compress_step(attn.compressor, x_BSD, lengths_B, counts_B, store.leftover)
     pos = rec.ratio * entry
-    vals, scales = quant.quantize_fp4_e4m3_16(apply_rope(latent, pos, cinv))
-    kvals, kscales = quant.quantize_mxfp4(apply_rope(attn.indexer.k_norm(attn.indexer.wk(latent)), pos, cinv))
+    entries, keys = apply_rope(latent, pos, cinv), attn.indexer.keys(latent, pos, cinv, fake_quant=False)
+    if not packed(store.entries):  # the float cache: the values themselves, no scales
+        stores[rec.index] = dataclasses.replace(
+            store, entries=write_rows(store.entries, entries, entry, done),
+            index_keys=write_rows(store.index_keys, keys, entry, done), leftover=leftover)
+        return
+    vals, scales = quant.quantize_fp4_e4m3_16(entries)
+    kvals, kscales = quant.quantize_mxfp4(keys)
     stores[rec.index] = dataclasses.replace(
         store,
         entries=write_rows(store.entries, quant.pack_fp4(vals), entry, done),
@@ -246,12 +267,14 @@ def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
     b, s, _ = x_BSD.shape
     indexer = attn.indexer
     qI = apply_rope(indexer.wq_b(qr_BSQ).reshape(b, s, indexer.heads, indexer.head_dim), positions_BS, cinv)
-    qI = quant.fake_quant(qI, quant.MXFP4)
+    if attn.fake_quant:  # as the teacher-forced indexer (`Indexer.scores`)
+        qI = quant.fake_quant(qI, quant.MXFP4)
     w = indexer.weights_proj(x_BSD)
     visible_count = (positions_BS + 1) // rec.ratio
     mine = published.setdefault(rec.index, {})
     impl = kernel_impl(attn)
-    if impl != "reference" and (rec.candidate_source is None or s == 1):
+    # The kernels read the packed keys; the float cache takes the reference path below.
+    if impl != "reference" and packed(store.index_keys) and (rec.candidate_source is None or s == 1):
         from dsv41.kernels import dispatch  # noqa: PLC0415 (the kernels import this module)
 
         args = (qI, w, store.index_keys, store.index_scales)
