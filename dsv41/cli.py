@@ -168,7 +168,7 @@ def cmd_demo(args) -> int:
     from dsv41 import demo
 
     report = demo.run(args.config, args.prompt_tokens, args.new_tokens, args.chunk, args.seed,
-                      progress=lambda msg: print(f"\r{msg}", end="", file=sys.stderr, flush=True))
+                      progress=lambda msg: print(f"\r{msg}", end="", file=sys.stderr, flush=True), depth=args.depth)
     print(file=sys.stderr)
     if args.json:
         print(json.dumps(report))
@@ -181,11 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example: dsv41 kv-report --json")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("demo", help="a long prompt through the compressed cache: bytes, prefill times, decode speed",
-                       epilog="example: dsv41 demo --config small --prompt-tokens 32768 --new-tokens 32")
-    p.add_argument("--config", default="small", help="config name or path (default: small)")
-    p.add_argument("--prompt-tokens", type=int, default=32768)
-    p.add_argument("--new-tokens", type=int, default=32)
+    p = sub.add_parser("demo", help="a long passkey prompt through the compressed cache of the trained model: "
+                                    "retrieval, bytes, prefill times, decode speed",
+                       epilog="example: dsv41 demo --prompt-tokens 8192 --depth 0.25")
+    p.add_argument("--config", default="passkey",
+                   help="config name (default: passkey, the trained model shipped with its weights; other "
+                        "configs run with random weights)")
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--depth", type=float, default=0.5, help="where the passkey sits in the filler, in [0, 1]")
+    p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens per compiled call)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="also print the measurements as one JSON object")
@@ -236,11 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse and store the global KV of prompt prefixes in DIR (DESIGN §7; V4.1)")
     p.set_defaults(func=cmd_generate)
 
-    from dsv41 import compile_report, convert, train
+    from dsv41 import compile_report, convert, passkey, train
 
     train.add_parser(sub).set_defaults(func=train.run)
     convert.add_parser(sub).set_defaults(func=convert.run)
     compile_report.add_parser(sub)
+    passkey.add_parser(sub)
     return parser
 
 

@@ -1,28 +1,39 @@
-"""The README's main job: a long-prompt run of a config through the compressed cache.
+"""The README's main job: a long passkey prompt through the compressed cache of a trained model.
 
-Builds a prompt of `prompt_tokens` byte-level tokens, prefills it with both schedules (chunked),
-generates greedily, and prints what was measured: cache bytes per token against the formula, prefill
-time per schedule and decode tokens per second. Parameters are random (seeded) until a trained
-checkpoint ships, so the generated text is not meaningful; the numbers are.
+By default it runs the shipped passkey model (`configs/passkey.json` with its trained weights
+`configs/passkey.safetensors`, see `dsv41.passkey`): a passkey sits at `depth` of a long filler prompt,
+the prompt is prefilled in chunks with both schedules (`full`, `ced`) and the answer is decoded
+greedily through the cache. It prints what was measured: whether the key came back, cache bytes per
+token against the formula, prefill time per schedule and decode tokens per second. A config without
+shipped weights runs with random (seeded) parameters: its numbers are real, its text is not.
 """
 
 from __future__ import annotations
 
 import time
+from importlib import resources
 
 import jax
 import numpy as np
 
-from dsv41 import accounting, cache as cache_lib, model, steps
+from dsv41 import accounting, cache as cache_lib, data, model, steps
 from dsv41.config import build
 
-TEXT = ("The compressed cache keeps 890 bytes of global KV per token for DeepSeek-V4.1-Flash. "
-        "Window rings hold the last tokens of every layer in FP8. The pass key is 7 3 5 1 9. ")
+DIGITS = 5
 
 
-def prompt_tokens(n: int) -> np.ndarray:
-    data = (TEXT * (n // len(TEXT) + 1)).encode()[:n]
-    return np.frombuffer(data, np.uint8).astype(np.int32)
+def prompt_tokens(n: int, depth: float = 0.5, seed: int = 0) -> tuple[np.ndarray, bytes]:
+    """A passkey prompt of n byte-level tokens (the question at its end) and the key it asks for."""
+    if n < 100:
+        raise ValueError(f"prompt_tokens: {n}: expected at least 100 tokens to hold the needle and the question")
+    prompt, key = data.passkey_example(n + DIGITS, depth, np.random.default_rng([seed, n]), DIGITS)
+    return np.frombuffer(prompt, np.uint8).astype(np.int32), key
+
+
+def trained_weights(cfg_name: str):
+    """The weights shipped beside a config (configs/NAME.safetensors), or None."""
+    path = resources.files("dsv41.configs") / f"{cfg_name}.safetensors"
+    return path if path.is_file() else None
 
 
 def _prefill(params, cfg, prompt, capacity, chunk, progress):
@@ -44,16 +55,22 @@ def _prefill(params, cfg, prompt, capacity, chunk, progress):
     return logits, cache, total, compile_s
 
 
-def run(cfg_name: str, prompt_len: int, new_tokens: int, chunk: int, seed: int, out=print, progress=None):
+def run(cfg_name: str, prompt_len: int, new_tokens: int, chunk: int, seed: int, out=print, progress=None,
+        depth: float = 0.5):
     from dsv41.config import load_config
+    from dsv41.convert import load_params
 
     progress = progress or (lambda msg: None)
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens: {new_tokens}: expected at least 1")
     cfg = load_config(cfg_name)
     ced = build(cfg.to_dict(), ["runtime.prefill_schedule=ced"])
-    params = model.init_params(cfg, jax.random.key(seed))
-    prompt = prompt_tokens(prompt_len)
+    weights = trained_weights(cfg_name)
+    params = model.init_params(cfg, jax.random.key(seed)) if weights is None else load_params(weights, cfg)
+    prompt, key = prompt_tokens(prompt_len, depth, seed)
     capacity = 2 * -(-(prompt_len + new_tokens) // 2)
-    report = {"config": cfg_name, "prompt_tokens": prompt_len, "capacity": capacity}
+    report = {"config": cfg_name, "weights": "random" if weights is None else str(weights),
+              "prompt_tokens": prompt_len, "capacity": capacity, "depth": depth, "passkey": key.decode()}
 
     logits, cache, report["prefill_full_s"], report["prefill_full_first_chunk_s"] = _prefill(
         params, cfg, prompt, capacity, chunk, progress)
@@ -74,10 +91,17 @@ def run(cfg_name: str, prompt_len: int, new_tokens: int, chunk: int, seed: int, 
     steady = times[1:] or times
     report["decode_tokens_per_s"] = len(steady) / sum(steady)
     report["generated_ids"] = generated
+    report["answer"] = bytes(t for t in generated[:DIGITS] if t < 256).decode("latin-1")
+    report["retrieved"] = report["answer"] == report["passkey"]
 
     _, _, report["prefill_ced_s"], report["prefill_ced_first_chunk_s"] = _prefill(
         params, ced, prompt, capacity, chunk, progress)
-    out(f"dsv41 {cfg_name}: {prompt_len:,}-token prompt, capacity {capacity:,} (random weights, seed {seed})")
+    source = f"random weights, seed {seed}" if weights is None else f"trained weights {weights.name}"
+    out(f"dsv41 {cfg_name}: {prompt_len:,}-token passkey prompt (needle at depth {depth:g}), capacity {capacity:,} "
+        f"({source})")
+    verdict = "retrieved" if report["retrieved"] else "NOT retrieved"
+    out(f"  passkey {report['passkey']}: greedy answer {report['answer']!r} — {verdict} through the compressed cache"
+        + (" (random weights: not expected to)" if weights is None else ""))
     out(f"  cache: {report['cache_bytes']:,} B = {report['measured_bytes_per_token']:.2f} B/token measured × "
         f"capacity + {fixed:,} B fixed per sequence; formula {report['formula_bytes_per_token']} B/token")
     out(f"  prefill full: {report['prefill_full_s']:.1f} s (first chunk incl. compile "

@@ -156,10 +156,10 @@ def _rows(recorded) -> list[dict]:
     return out
 
 
-def _forward_records(model, tokens_BS, positions_BS, remat: str):
+def _forward_records(model, tokens_BS, positions_BS, remat: str, engram_ids_BSLC=None):
     """(logits [B,S,V], per-layer records) — the model's own __call__, or per-block checkpointed."""
     if remat == "none":
-        logits, recorded = nnx.capture(model, nnx.Intermediate)(tokens_BS, positions_BS, None)
+        logits, recorded = nnx.capture(model, nnx.Intermediate)(tokens_BS, positions_BS, engram_ids_BSLC)
         return logits, _rows([recorded["layers"][i] for i in range(len(model.layers))])
     # Per-block rematerialisation: the same loop as `Transformer.__call__`, each block a checkpointed
     # pure function of (its variables, the streams, what earlier layers published).
@@ -171,16 +171,19 @@ def _forward_records(model, tokens_BS, positions_BS, remat: str):
     rows = []
     for layer in model.layers:
         graphdef, variables = nnx.split(layer)
+        ids = None
+        if layer.engram is not None:
+            ids = engram_ids_BSLC[:, :, model.engram_layers.index(layer.attn.record.index)]
 
         @functools.partial(jax.checkpoint, policy=policy)
-        def block(variables, x_BSND, pre, published):
+        def block(variables, x_BSND, pre, published, ids):
             layer = nnx.merge(graphdef, variables)
             published = dict(published)
             (x_BSND, pre), recorded = nnx.capture(layer, nnx.Intermediate)(
-                x_BSND, pre, lambda attn, h: attn(h, positions_BS, published), None, tokens_BS)
+                x_BSND, pre, lambda attn, h: attn(h, positions_BS, published), ids, tokens_BS)
             return x_BSND, pre, published, recorded
 
-        x_BSND, pre, published, recorded = block(variables, x_BSND, pre, published)
+        x_BSND, pre, published, recorded = block(variables, x_BSND, pre, published, ids)
         rows.extend(_rows([recorded]))
     h = model.norm(model.hc_head(x_BSND) if model.hc_head is not None else mhc.collapse(x_BSND, pre))
     return model.head(h).astype(jnp.float32), rows
@@ -266,6 +269,15 @@ def kl_rows(cfg, batch: int, seq: int) -> int:
 # The step
 
 
+def with_engram_ids(cfg, batch: dict) -> dict:
+    """The batch with its host-side Engram hash ids ("engram_ids" [B, S, L_engram, C] int32, rows
+    starting at position 0) when the config has Engram layers and the batch does not bring them."""
+    if not list(cfg.architecture.engram.layers) or "engram_ids" in batch:
+        return batch
+    ids = model_lib.engram_ids(cfg, np.asarray(batch["inputs"]))
+    return dict(batch, engram_ids=jnp.asarray(ids, jnp.int32))
+
+
 def _check_batch(batch: dict):
     need = ("inputs", "targets", "loss_mask")
     missing = [k for k in need if k not in batch]
@@ -285,9 +297,6 @@ def make_train_step(cfg, tc: TrainConfig):
     scans A micro-batches of B/A rows. metrics: loss (total), ce, kl, grad_norm, lr, tokens, and the
     mean |load − mean load| / mean load over the MoE layers (`imbalance`, before this step's update).
     """
-    if list(cfg.architecture.engram.layers):
-        raise ConfigError("architecture.engram.layers", list(cfg.architecture.engram.layers),
-                          "expected [] for training: the train step does not yet feed the host-side Engram hash ids")
     key = model_lib.config_key(cfg)
     graphdef = model_lib._graphdef(key)
     opt = optimizer(tc)
@@ -298,7 +307,7 @@ def make_train_step(cfg, tc: TrainConfig):
         model = nnx.merge(graphdef, params, buffers)
         s = mb["inputs"].shape[1]
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), mb["inputs"].shape)
-        logits, rows = _forward_records(model, mb["inputs"], positions, tc.remat)
+        logits, rows = _forward_records(model, mb["inputs"], positions, tc.remat, mb.get("engram_ids"))
         mask = mb["loss_mask"].astype(jnp.float32)
         ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), mb["targets"][..., None], -1)[..., 0]
         ce_sum = jnp.sum(ce * mask)
@@ -346,7 +355,7 @@ def make_train_step(cfg, tc: TrainConfig):
         if batch["inputs"].shape[0] % tc.grad_accum:
             raise ConfigError("train.grad_accum", tc.grad_accum,
                               f"expected a divisor of the batch size {batch['inputs'].shape[0]}")
-        return train_step(state, batch)
+        return train_step(state, with_engram_ids(cfg, batch))
 
     checked.jitted = train_step
     return checked
@@ -383,10 +392,10 @@ def train_step_for(cfg, tc: TrainConfig):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _exact(key, params, buffers, inputs, targets, mask):
+def _exact(key, params, buffers, inputs, targets, mask, engram_ids=None):
     model = nnx.merge(model_lib._graphdef(key), params, buffers)
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-    hit = (jnp.argmax(model(inputs, positions), -1) == targets) | (mask == 0)
+    hit = (jnp.argmax(model(inputs, positions, engram_ids), -1) == targets) | (mask == 0)
     return jnp.all(hit, axis=-1)
 
 
@@ -394,8 +403,10 @@ def answer_exact_match(state: TrainState, cfg, batch: dict) -> np.ndarray:
     """[B] bool: every response token is the argmax of the teacher-forced logits — the same as greedy
     decoding reproducing the whole answer (each greedy token is then the teacher's)."""
     _check_batch(batch)
+    batch = with_engram_ids(cfg, batch)
     return np.asarray(_exact(model_lib.config_key(cfg), state.params, state.buffers,
-                             *(jnp.asarray(batch[k]) for k in ("inputs", "targets", "loss_mask"))))
+                             *(jnp.asarray(batch[k]) for k in ("inputs", "targets", "loss_mask")),
+                             batch.get("engram_ids")))
 
 
 def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=None, progress=None,
@@ -452,6 +463,10 @@ def add_parser(subparsers):
                    help="override a config field (e.g. quant=none) or a train field (train.remat=block)")
     p.add_argument("--eval-batches", type=int, default=4,
                    help="synthetic tasks: held-out batches scored for exact-match accuracy at the end")
+    p.add_argument("--export", default=None, metavar="PATH",
+                   help="write the trained variables (parameters and balance biases) to one safetensors file "
+                        "that dsv41.convert.load_params reads")
+    p.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     return p
 
@@ -488,6 +503,10 @@ def run(args) -> int:
     if ckpt is not None:
         ckpt.close()
     out = {"steps": args.steps, "seconds": time.time() - t0, "final": history[-1] if history else None}
+    if args.export:
+        from dsv41.convert import save_params
+        out["exported_bytes"] = save_params(nnx.merge_state(state.params, state.buffers), args.export,
+                                            args.export_dtype)
     if args.task in data_lib.TASKS and args.eval_batches:
         held_out = data_lib.Synthetic(args.task, args.batch, args.seq, seed=args.seed + 1_000_003)
         hits = np.concatenate([answer_exact_match(state, cfg, next(held_out)) for _ in range(args.eval_batches)])

@@ -56,3 +56,22 @@ def test_decode_compiles_for_v5p_with_engram_in_host_memory():
         whole += x.size * (1 if fp8 else x.dtype.itemsize)
     assert m["params_on_device"] == whole - experts * 3 // 4
     assert math.isclose(r["decode"]["flops_per_token"] * 8, r["decode"]["flops_per_chip"] * 4)
+
+
+def test_context_sweep_reindex_pool_saves_what_scoring_everything_costs():
+    """The sweep's two variants differ by the Reindex layers' indexer scoring: scoring every entry grows by
+    at least 2 · ΔT/ratio · heads · dim FLOPs per Reindex layer (the q·k products alone, a closed formula),
+    the pool gather by none of that."""
+    import dsv41
+    from test_sharding import small_config
+    from dsv41 import config as config_lib
+    cfg = config_lib.build(small_config().to_dict(), ["context_window=1024", "architecture.rope.max_position=1024"])
+    rows = cr.context_sweep(cfg, [256, 1024], batch=2, weights="bf16")
+    reindex = [r for r in dsv41.layer_plan(cfg) if r.mode == "reindex"]
+    assert reindex and rows[0]["relative_to_4k"] == 1.0
+    ix = cfg.csa2.indexer
+    scoring = sum(2 * (1024 - 256) // r.ratio * ix.query_heads * ix.head_dim for r in reindex)
+    grow_pool = rows[1]["flops_per_token"] - rows[0]["flops_per_token"]
+    grow_all = rows[1]["score_everything_flops_per_token"] - rows[0]["score_everything_flops_per_token"]
+    assert grow_all - grow_pool >= scoring, (grow_all, grow_pool, scoring)
+    assert rows[1]["score_everything_relative_to_4k"] > rows[1]["relative_to_4k"] > 1.0

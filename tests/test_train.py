@@ -326,3 +326,34 @@ def test_gradient_accumulation_equals_the_whole_batch(cfg):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-9)
     for a, b in zip(jax.tree.leaves(whole.buffers), jax.tree.leaves(accum.buffers)):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))  # loads add up exactly
+
+
+@pytest.mark.slow
+def test_engram_config_trains_with_host_hash_ids():
+    """A config with an Engram layer: the train step feeds the host-side hash ids. Its step-0 CE equals
+    the CE of `dsv41.forward` (which hashes the tokens itself) on the same batch, only the table rows the
+    batch's n-grams hash to are updated (a closed set from `engram_ids`), and the loss falls."""
+    engram = '{"layers": [2], "max_ngram": 3, "heads_per_ngram": 2, "row_dim": 16, "compressed_vocab_size": 256, ' \
+             '"prime_floor": 100, "pad_id": 2}'
+    cfg = dsv41.load_config("tiny", MICRO + [f"architecture.engram={engram}"])
+    tc = train.TrainConfig(learning_rate=3e-3, warmup_steps=0, total_steps=12, weight_decay=0.0)
+    state = train.init_state(cfg, tc, jax.random.key(4))
+    batch = next(passkey(21))
+    logits = dsv41.forward(nnx.merge_state(state.params, state.buffers), cfg, batch["inputs"])
+    ce = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, -1)), batch["targets"][..., None], -1)[..., 0]
+    want = float((ce * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
+    step = train.train_step_for(cfg, tc)
+    new, m = step(state, batch)
+    assert float(m["ce"]) == pytest.approx(want, rel=1e-5)
+    ids = model_lib.engram_ids(cfg, batch["inputs"])                     # [B, S, 1, C]
+    for path, before in nnx.to_flat_state(state.params):
+        if "engram" not in path or path[-1] != "table":
+            continue
+        after = dict(nnx.to_flat_state(new.params))[path]
+        moved = np.flatnonzero(np.any(np.asarray(after[...]) != np.asarray(before[...]), axis=-1))
+        assert moved.size and set(moved) <= set(np.unique(ids).tolist()), (moved[:8], np.unique(ids)[:8])
+    losses = [float(m["ce"])]
+    for _ in range(10):
+        new, m = step(new, batch)
+        losses.append(float(m["ce"]))
+    assert losses[-1] < losses[0] - 1.0, losses
