@@ -124,12 +124,16 @@ class Synthetic:
     depth: a fixed needle depth in [0, 1], or None for a uniform random depth per example.
     """
 
-    def __init__(self, task: str, batch: int, seq: int, seed: int = 0, depth: float | None = None):
+    def __init__(self, task: str, batch: int, seq: int, seed: int = 0, depth: float | None = None,
+                 key_digits: int = 5):
         if task not in TASKS:
             raise ValueError(f"task: {task!r}: expected one of {TASKS}")
+        if key_digits < 1:
+            raise ValueError(f"key_digits: {key_digits}: expected at least 1")
         if depth is not None and not 0 <= depth <= 1:
             raise ValueError(f"depth: {depth}: expected a fraction in [0, 1] or None")
         self.task, self.batch, self.seq, self.seed, self.depth = task, batch, seq, seed, depth
+        self.key_digits = key_digits  # passkey: digits per key (longer keys: more retrieval targets per row)
         self.index = 0
         self.example(0)  # refuses a seq too short for the task now, not at the first batch
 
@@ -142,8 +146,9 @@ class Synthetic:
     def example(self, i: int) -> tuple[bytes, bytes]:
         rng = np.random.default_rng([self.seed, i])
         depth = float(rng.uniform()) if self.depth is None else self.depth
-        make = passkey_example if self.task == "passkey" else kv_recall_example
-        return make(self.seq + 1, depth, rng)
+        if self.task == "passkey":
+            return passkey_example(self.seq + 1, depth, rng, self.key_digits)
+        return kv_recall_example(self.seq + 1, depth, rng)
 
     def __iter__(self):
         return self

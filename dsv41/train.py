@@ -456,6 +456,8 @@ def add_parser(subparsers):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256, help="tokens per row (the task's context length)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--key-digits", type=int, default=5,
+                   help="passkey: digits per key (a longer key gives more retrieval targets per row)")
     p.add_argument("--ckpt-dir", default=None, help="save here every --save-every steps; resume from it")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--keep", type=int, default=3)
@@ -479,7 +481,7 @@ def run(args) -> int:
     cfg = load_config(args.config, [s for s in args.set if not s.startswith("train.")])
     tc = TrainConfig(total_steps=args.steps).replace(train_sets)
     if args.task in data_lib.TASKS:
-        data = data_lib.Synthetic(args.task, args.batch, args.seq, seed=args.seed)
+        data = data_lib.Synthetic(args.task, args.batch, args.seq, seed=args.seed, key_digits=args.key_digits)
     else:
         data = data_lib.PackedTokens(data_lib.load_tokens(args.task, args.token_dtype), args.batch, args.seq,
                                      seed=args.seed, vocab_size=cfg.architecture.vocab_size)
@@ -508,7 +510,8 @@ def run(args) -> int:
         out["exported_bytes"] = save_params(nnx.merge_state(state.params, state.buffers), args.export,
                                             args.export_dtype)
     if args.task in data_lib.TASKS and args.eval_batches:
-        held_out = data_lib.Synthetic(args.task, args.batch, args.seq, seed=args.seed + 1_000_003)
+        held_out = data_lib.Synthetic(args.task, args.batch, args.seq, seed=args.seed + 1_000_003,
+                                      key_digits=args.key_digits)
         hits = np.concatenate([answer_exact_match(state, cfg, next(held_out)) for _ in range(args.eval_batches)])
         out["exact_match"] = float(hits.mean())
     if args.json:

@@ -72,6 +72,16 @@ def test_passkey_and_kv_recall_examples():
         np.testing.assert_array_equal(x[k], y[k])
 
 
+def test_passkey_key_digits():
+    b = next(data_lib.Synthetic("passkey", 2, 160, seed=4, key_digits=16))
+    assert (b["loss_mask"].sum(-1) == 16).all()
+    for row in range(2):
+        answer = bytes(b["targets"][row][b["loss_mask"][row] > 0].astype(np.uint8))
+        assert answer.isdigit() and bytes(b["inputs"][row].astype(np.uint8)).count(b"The pass key is " + answer) == 1
+    with pytest.raises(ValueError, match="key_digits"):
+        data_lib.Synthetic("passkey", 2, 160, key_digits=0)
+
+
 def test_passkey_depth_places_the_needle():
     seq = 400
     for depth in (0.0, 0.5, 1.0):
