@@ -129,7 +129,17 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
     t0 = time.perf_counter()
     lowered = fn.trace(*args).lower()
     t1 = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        # XLA refuses a program that cannot fit the chip: that is the report's answer, not a crash.
+        return {"seq": seq, "lower_s": round(t1 - t0, 2), "compile_s": round(time.perf_counter() - t1, 2),
+                "fits": False, "error": str(e).splitlines()[0][:300],
+                "memory_per_chip": {"params_on_device": _leaf_bytes(args[0], host=False),
+                                    "cache": _leaf_bytes(args[1], host=False),
+                                    "engram_host": _leaf_bytes(args[0], host=True)}}
     t2 = time.perf_counter()
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -277,6 +287,11 @@ def format_report(r: dict) -> str:
         if kind not in r:
             continue
         s, m = r[kind], r[kind]["memory_per_chip"]
+        if s.get("fits") is False:
+            lines += [f"{kind} (seq {s['seq']}): DOES NOT FIT (XLA refused it after {s['compile_s']} s): {s['error']}",
+                      f"  per chip: params {g(m['params_on_device'])}, cache {g(m['cache'])}; "
+                      f"Engram tables in host memory: {g(m['engram_host'])} per chip"]
+            continue
         hbm = "?" if m["hbm"] is None else g(m["hbm"])
         lines += [f"{kind} (seq {s['seq']}): lowered in {s['lower_s']} s, compiled in {s['compile_s']} s",
                   f"  per chip: arguments {g(m['arguments'])} (params {g(m['params_on_device'])}, "
