@@ -182,3 +182,38 @@ def test_one_device_mesh_runs_the_single_device_code():
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     print(json.dumps({"checks": _checks}[sys.argv[1]]()))
+
+
+def test_per_pick_experts_equal_float64_numpy_and_ragged_dot():
+    """`per_pick_weights` (the FLOP-counting form) and the ragged_dot form both equal a float64 NumPy sum
+    over each token's picks; a pick naming an expert held elsewhere (id == G) contributes nothing."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dsv41.nn import moe
+    from dsv41.nn.policy import Policy
+    rng = np.random.default_rng(0)
+    n, k, g, d, i, limit = 7, 2, 4, 16, 8, 10.0
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    w = rng.uniform(0.1, 1, (n, k)).astype(np.float32)
+    idx = rng.integers(0, g + 1, (n, k)).astype(np.int32)     # g: held elsewhere
+    w1, w3 = (rng.normal(size=(g, d, i)).astype(np.float32) * 0.3 for _ in range(2))
+    w2 = rng.normal(size=(g, i, d)).astype(np.float32) * 0.3
+    want = np.zeros((n, d))
+    for t in range(n):
+        for j in range(k):
+            e = idx[t, j]
+            if e == g:
+                continue
+            a, b = x[t].astype(np.float64) @ w1[e], x[t].astype(np.float64) @ w3[e]
+            a, b = np.minimum(a, limit), np.clip(b, -limit, limit)
+            want[t] += w[t, j] * ((a / (1 + np.exp(-a)) * b) @ w2[e])
+    run = lambda: np.asarray(moe.experts(jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx), w1, w3, w2, limit=limit,
+                                         policy=Policy(jnp.float32, jnp.float32)))
+    with jax.default_matmul_precision("highest"):
+        ragged = run()
+        with moe.per_pick_weights():
+            per_pick = run()
+    np.testing.assert_allclose(ragged, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(per_pick, want, rtol=1e-5, atol=1e-5)

@@ -101,6 +101,8 @@ def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, p
     n, k = idx_Nk.shape
     g = w1_GDI.shape[0]
     flat = idx_Nk.reshape(-1)
+    if _PER_PICK.get():
+        return _experts_per_pick(x_ND, weights_Nk, flat, w1_GDI, w3_GDI, w2_GID, limit=limit, policy=policy)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=g + 1)[:g].astype(jnp.int32)
     xs = x_ND[order // k].astype(policy.compute_dtype)
@@ -111,6 +113,34 @@ def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, p
     back = jnp.where(flat[order] < g, order, n * k)
     y = jnp.zeros_like(ys).at[back].set(ys, mode="drop")
     return y.reshape(n, k, -1).sum(axis=1)
+
+
+_PER_PICK: contextvars.ContextVar[bool] = contextvars.ContextVar("dsv41_moe_per_pick", default=False)
+
+
+@contextlib.contextmanager
+def per_pick_weights():
+    """Traces `experts` as one matmul per (token, pick) against that expert's gathered weights. XLA's cost
+    analysis counts `ragged_dot` as if every row met every group (or all of its static rows), so FLOP
+    reports (`compile_report.context_sweep`) trace under this; the result is the same."""
+    token = _PER_PICK.set(True)
+    try:
+        yield
+    finally:
+        _PER_PICK.reset(token)
+
+
+def _experts_per_pick(x_ND, weights_Nk, flat, w1_GDI, w3_GDI, w2_GID, *, limit: float, policy: Policy):
+    n, k = weights_Nk.shape
+    g = w1_GDI.shape[0]
+    here = flat < g
+    pick = jnp.minimum(flat, g - 1)
+    xs = jnp.repeat(x_ND, k, axis=0).astype(policy.compute_dtype)             # [N·k, D], pick-major per token
+    dot = lambda a, w, spec: jnp.einsum(spec, a, jnp.take(w, pick, axis=0).astype(policy.compute_dtype),
+                                        precision=policy.precision, preferred_element_type=jnp.float32)
+    h = swiglu(dot(xs, w1_GDI, "nd,ndi->ni"), dot(xs, w3_GDI, "nd,ndi->ni"), limit) * weights_Nk.reshape(-1)[:, None]
+    ys = dot(h.astype(policy.compute_dtype), w2_GID, "ni,nid->nd")
+    return jnp.where(here[:, None], ys, 0.0).reshape(n, k, -1).sum(axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
