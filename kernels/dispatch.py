@@ -11,7 +11,10 @@ Every choice gives the same numbers: the quantisation bit for bit, the attention
 
 from __future__ import annotations
 
+import math
+
 import jax
+from jax.sharding import PartitionSpec as P
 
 from dsv41.kernels import candidate_pool, indexer_scores, quant_pack, sparse_attention
 
@@ -30,6 +33,37 @@ def resolve(mode: str, backend: str | None = None) -> str:
         raise ValueError(f"runtime.kernels='pallas' on backend {backend!r}: Pallas kernels compile for "
                          f"{list(_KERNEL_BACKENDS)}; use 'pallas_interpret' or 'reference' (or 'auto')")
     return mode
+
+
+def _per_device(fn, *args, replicated: tuple[int, ...] = ()):
+    """fn(*args), run per device over the batch rows when the step is traced under a mesh.
+
+    XLA cannot partition a Pallas kernel, so on a multi-device mesh (the layout `dsv41.sharding` sets,
+    `moe.current_layout()`) the kernel runs inside `jax.shard_map`: every argument is split over the
+    layout's token axes on its leading (batch) axis, except those at the positions in `replicated` (a
+    per-head sink); non-array arguments (ratios, k) are closed over. The rows are independent, so this is
+    the same computation."""
+    from dsv41.nn import moe  # noqa: PLC0415 (dsv41.nn imports the kernels)
+
+    layout = moe.current_layout()
+    if layout is None or layout.mesh.size == 1 or not layout.token_axes:
+        return fn(*args)
+    axes = layout.token_axes
+    rows = math.prod(layout.mesh.shape[a] for a in axes)
+    if args[0].shape[0] % rows:
+        raise ValueError(f"batch: {args[0].shape[0]} rows: expected a multiple of the {rows} devices of the mesh "
+                         f"axes {axes} that the kernels run over")
+    arrays = [i for i, a in enumerate(args) if isinstance(a, jax.Array) or hasattr(a, "shape")]
+
+    def body(*xs):
+        full = list(args)
+        for i, x in zip(arrays, xs):
+            full[i] = x
+        return fn(*full)
+
+    specs = tuple(P() if i in replicated else P(axes) for i in arrays)
+    return jax.shard_map(body, mesh=layout.mesh, in_specs=specs, out_specs=P(axes), check_vma=False)(
+        *(args[i] for i in arrays))
 
 
 def _triton_can_take(h: int, k: int, block_keys: int) -> bool:
@@ -55,8 +89,8 @@ def sparse_decode_attention(q_BHK, window_values_BWK, window_scales_BWX, window_
     impl = resolve(mode)
     if _attention_reference(impl, q_BHK, block_keys):
         return sparse_attention.sparse_decode_attention_reference(*args)
-    return sparse_attention.sparse_decode_attention(*args, block_keys=block_keys,
-                                                    interpret=impl == "pallas_interpret")
+    return _per_device(lambda *a: sparse_attention.sparse_decode_attention(
+        *a, block_keys=block_keys, interpret=impl == "pallas_interpret"), *args, replicated=(7,))
 
 
 def sparse_attention_chunk(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2,
@@ -68,7 +102,8 @@ def sparse_attention_chunk(q_BSHK, window_values_BTK, window_scales_BTX, window_
     impl = resolve(mode)
     if _attention_reference(impl, q_BSHK, block_keys):
         return sparse_attention.sparse_attention_reference(*args)
-    return sparse_attention.sparse_attention(*args, block_keys=block_keys, interpret=impl == "pallas_interpret")
+    return _per_device(lambda *a: sparse_attention.sparse_attention(
+        *a, block_keys=block_keys, interpret=impl == "pallas_interpret"), *args, replicated=(7,))
 
 
 def quantize_pack(x, fmt: str, *, mode: str = "auto"):
@@ -100,7 +135,8 @@ def indexer_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS,
     impl = resolve(mode)
     if impl == "reference":
         return indexer_scores.indexer_top_k_reference(*args)
-    return indexer_scores.indexer_top_k(*args, backend=_indexer_body(), interpret=impl == "pallas_interpret")
+    return _per_device(lambda *a: indexer_scores.indexer_top_k(*a, backend=_indexer_body(),
+                                                               interpret=impl == "pallas_interpret"), *args)
 
 
 def scores_and_pool(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio: int, *, top_k: int,
@@ -111,7 +147,8 @@ def scores_and_pool(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_B
     impl = resolve(mode)
     if impl == "reference":
         return candidate_pool.scores_and_pool_reference(*args, **kw)
-    return candidate_pool.scores_and_pool(*args, **kw, backend=_indexer_body(), interpret=impl == "pallas_interpret")
+    return _per_device(lambda *a: candidate_pool.scores_and_pool(*a, **kw, backend=_indexer_body(),
+                                                                 interpret=impl == "pallas_interpret"), *args)
 
 
 def pool_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, block: int, positions_BS, ratio: int,
@@ -121,4 +158,5 @@ def pool_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, b
     impl = resolve(mode)
     if impl == "reference":
         return candidate_pool.pool_top_k_reference(*args)
-    return candidate_pool.pool_top_k(*args, backend=_indexer_body(), interpret=impl == "pallas_interpret")
+    return _per_device(lambda *a: candidate_pool.pool_top_k(*a, backend=_indexer_body(),
+                                                            interpret=impl == "pallas_interpret"), *args)

@@ -167,6 +167,13 @@ class ExpertLayout:
 _LAYOUT: contextvars.ContextVar[ExpertLayout | None] = contextvars.ContextVar("dsv41_expert_layout", default=None)
 
 
+def current_layout() -> ExpertLayout | None:
+    """The layout the step being traced runs under (set by `expert_parallel`), or None on one device.
+    Besides the experts, the Pallas kernels read it: on a multi-device mesh they run per device, over the
+    batch rows of `token_axes` (`dsv41.kernels.dispatch`)."""
+    return _LAYOUT.get()
+
+
 @contextlib.contextmanager
 def expert_parallel(layout: ExpertLayout | None):
     """MoE layers traced inside run their routed experts as `layout` says (None: on one device).
