@@ -146,6 +146,7 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     chips = mesh.devices.size
+    hlo = compiled.as_text()
     flops = float(cost.get("flops", 0.0))
     hbm = HBM_BYTES.get(mesh.devices.flat[0].device_kind)
     memory = {
@@ -173,7 +174,8 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
         "bytes_accessed_per_chip": float(cost.get("bytes accessed", 0.0)),
         # The compiled module is one chip's program (SPMD): the step's FLOPs are chips × that.
         "flops_per_token": flops * chips / (batch * seq),
-        "collectives_per_chip": collective_bytes(compiled.as_text()),
+        "collectives_per_chip": collective_bytes(hlo),
+        "pallas_kernels": hlo.count("custom_call_target=\"tpu_custom_call\""),  # Mosaic kernels in the program
     }
 
 

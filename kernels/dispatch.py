@@ -22,11 +22,21 @@ MODES = ("auto", "pallas", "pallas_interpret", "reference")
 _KERNEL_BACKENDS = ("tpu", "gpu")
 
 
+def platform() -> str:
+    """The platform the step being traced is compiled for: the devices of its mesh (an ahead-of-time
+    compile for a TPU topology runs on a CPU machine), else JAX's default backend."""
+    from dsv41.nn import moe  # noqa: PLC0415 (dsv41.nn imports the kernels)
+
+    layout = moe.current_layout()
+    return layout.mesh.devices.flat[0].platform if layout is not None else jax.default_backend()
+
+
 def resolve(mode: str, backend: str | None = None) -> str:
-    """The implementation `mode` selects on `backend` (default: JAX's): 'pallas', 'pallas_interpret' or 'reference'."""
+    """The implementation `mode` selects on `backend` (default: `platform()`): 'pallas', 'pallas_interpret'
+    or 'reference'."""
     if mode not in MODES:
         raise ValueError(f"runtime.kernels={mode!r}: expected one of {list(MODES)}")
-    backend = backend or jax.default_backend()
+    backend = backend or platform()
     if mode == "auto":
         return "pallas" if backend in _KERNEL_BACKENDS else "reference"
     if mode == "pallas" and backend not in _KERNEL_BACKENDS:
@@ -76,7 +86,7 @@ def _triton_can_take(h: int, k: int, block_keys: int) -> bool:
 def _attention_reference(impl: str, q, block_keys: int) -> bool:
     """The reference runs when `impl` says so, or on GPU for a shape Triton cannot tile."""
     h, k = q.shape[-2:]
-    return impl == "reference" or (impl == "pallas" and jax.default_backend() == "gpu"
+    return impl == "reference" or (impl == "pallas" and platform() == "gpu"
                                    and not _triton_can_take(h, k, block_keys))
 
 
@@ -90,7 +100,7 @@ def sparse_decode_attention(q_BHK, window_values_BWK, window_scales_BWX, window_
     if _attention_reference(impl, q_BHK, block_keys):
         return sparse_attention.sparse_decode_attention_reference(*args)
     return _per_device(lambda *a: sparse_attention.sparse_decode_attention(
-        *a, block_keys=block_keys, interpret=impl == "pallas_interpret"), *args, replicated=(7,))
+        *a, block_keys=block_keys, interpret=impl == "pallas_interpret", backend=platform()), *args, replicated=(7,))
 
 
 def sparse_attention_chunk(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2,
@@ -103,7 +113,7 @@ def sparse_attention_chunk(q_BSHK, window_values_BTK, window_scales_BTX, window_
     if _attention_reference(impl, q_BSHK, block_keys):
         return sparse_attention.sparse_attention_reference(*args)
     return _per_device(lambda *a: sparse_attention.sparse_attention(
-        *a, block_keys=block_keys, interpret=impl == "pallas_interpret"), *args, replicated=(7,))
+        *a, block_keys=block_keys, interpret=impl == "pallas_interpret", backend=platform()), *args, replicated=(7,))
 
 
 def quantize_pack(x, fmt: str, *, mode: str = "auto"):
@@ -124,7 +134,7 @@ def unpack_dequantize(values, scales, fmt: str, *, mode: str = "auto"):
 
 def _indexer_body() -> str:
     """The indexer kernels' body: the backend's own, and the Mosaic (TPU) body in interpret mode on CPU."""
-    backend = jax.default_backend()
+    backend = platform()
     return backend if backend in _KERNEL_BACKENDS else "tpu"
 
 

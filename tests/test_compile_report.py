@@ -75,3 +75,15 @@ def test_context_sweep_reindex_pool_saves_what_scoring_everything_costs():
     grow_all = rows[1]["score_everything_flops_per_token"] - rows[0]["score_everything_flops_per_token"]
     assert grow_all - grow_pool >= scoring, (grow_all, grow_pool, scoring)
     assert rows[1]["score_everything_relative_to_4k"] > rows[1]["relative_to_4k"] > 1.0
+
+
+@pytest.mark.slow
+def test_decode_with_pallas_kernels_compiles_for_v5p():
+    """runtime.kernels=pallas in an ahead-of-time TPU compile on this CPU machine: the kernels follow the
+    mesh's platform (not JAX's CPU backend) and run per device inside shard_maps; the program holds them."""
+    pytest.importorskip("libtpu")
+    from test_sharding import small_config
+    r = cr.compile_report(small_config(), "v5p:2x2x1", 8, 128, "fp8", kernels="pallas")
+    d = r["decode"]
+    assert d["memory_per_chip"]["fits"] and d["flops_per_token"] > 0
+    assert d["pallas_kernels"] >= 8, d["pallas_kernels"]   # 5 attention, 2 indexer/pool, 1 Reindex pool
