@@ -33,6 +33,19 @@ def write_config(tmp_path):
     return write
 
 
+def run_on_devices(script: str, mode: str, devices: int = 8, xla_flags: str = "", timeout: int = 600) -> dict:
+    """Runs `python script mode` with `devices` simulated CPU devices (XLA_FLAGS must be set before JAX
+    starts, so in a subprocess) and returns the JSON object its last stdout line holds."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip(),
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, script, mode], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def load_port_case(case: str):
     """(vectors, config, params, Engram token map or None) of the V4.1 port's case A or B."""
     import numpy as np

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -108,10 +107,8 @@ def _checks() -> dict:
 
 
 def _run(mode: str, timeout: int = 600) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, mode], env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from conftest import run_on_devices
+    return run_on_devices(__file__, mode, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -192,10 +191,8 @@ def test_kernels_run_per_device_under_a_mesh():
 
 
 def _run(mode: str, devices: int = 8, timeout: int = 600) -> dict:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} " + FAST_COMPILE, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, mode], env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from conftest import run_on_devices
+    return run_on_devices(__file__, mode, devices, FAST_COMPILE, timeout)
 
 
 @pytest.fixture(scope="module")
