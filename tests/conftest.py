@@ -5,8 +5,8 @@ from pathlib import Path
 # The tests run JAX on the CPU. With libtpu installed (the `tpu` extra, for ahead-of-time TPU compiles in
 # subprocesses) JAX would otherwise probe for TPU hardware first and log errors on a machine without it.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The ahead-of-time TPU compiles load libtpu, which takes a process-wide lock (/tmp/libtpu_lockfile): the
-# compile-report test loads it in the pytest process, the kernel tests in subprocesses, and all must run.
+# The ahead-of-time TPU compiles load libtpu, which takes a process-wide lock (/tmp/libtpu_lockfile); they
+# run in subprocesses, and several may hold it at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest
