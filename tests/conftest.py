@@ -12,6 +12,15 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Frees every compiled program after each test module. The whole suite in one process kept them all
+    and a late CPU compile segfaulted inside XLA (test_v41_properties, which passes alone)."""
+    yield
+    import jax
+    jax.clear_caches()
 DATA = Path(__file__).resolve().parent / "data"
 
 
