@@ -116,7 +116,10 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    contexts = [int(c) for c in _floats(args.contexts, "--contexts")]
+    try:
+        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+    except ValueError:
+        raise ConfigError("--contexts", args.contexts, "expected comma-separated whole token counts") from None
     depths = _floats(args.depths, "--depths")
     if args.n < 1:
         raise ConfigError("--n", args.n, "expected at least 1 prompt per cell")
