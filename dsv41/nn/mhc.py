@@ -40,12 +40,16 @@ class HyperConnection(nnx.Module):
         pre = jax.nn.sigmoid(mix[..., :n] * scale[0] + base[:n]) + self.eps
         post = 2 * jax.nn.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
         logits = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*mix.shape[:-1], n, n)
-        comb = jax.nn.softmax(logits, axis=-1) + self.eps
-        comb = comb / (comb.sum(axis=-2, keepdims=True) + self.eps)
+        # Sinkhorn with the [source, destination] axes leading: the row and column sums are then adds of
+        # whole [B, S] planes, which XLA fuses; summing the trailing size-4 axes was half of a CPU
+        # training step's mHC time (fwd + bwd, 20 iterations per site).
+        comb = jnp.moveaxis(logits, (-2, -1), (0, 1))
+        comb = jax.nn.softmax(comb, axis=1) + self.eps
+        comb = comb / (comb.sum(axis=0, keepdims=True) + self.eps)
         for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(axis=-1, keepdims=True) + self.eps)
-            comb = comb / (comb.sum(axis=-2, keepdims=True) + self.eps)
-        return pre, post, comb
+            comb = comb / (comb.sum(axis=1, keepdims=True) + self.eps)
+            comb = comb / (comb.sum(axis=0, keepdims=True) + self.eps)
+        return pre, post, jnp.moveaxis(comb, (0, 1), (-2, -1))
 
 
 class HyperHead(nnx.Module):
