@@ -102,11 +102,19 @@ def _fit(prompt_parts: list[bytes], answer: bytes, length: int, depth: float, rn
     return filler[:at] + needle + filler[at:] + question, answer
 
 
+PASSKEY_NEEDLE = (b" The pass key is ", b". Remember it. ")  # the key goes between the two
+PASSKEY_QUESTION = b" What is the pass key? The pass key is "
+
+
+def passkey_min_length(digits: int = 5) -> int:
+    """The fewest bytes (prompt + answer) a passkey example holds: needle, question and answer, no filler."""
+    return sum(map(len, PASSKEY_NEEDLE)) + len(PASSKEY_QUESTION) + 2 * digits
+
+
 def passkey_example(length: int, depth: float, rng, digits: int = 5) -> tuple[bytes, bytes]:
     """A passkey retrieval example of `length` bytes: (prompt, answer digits)."""
     key = "".join(str(d) for d in rng.integers(0, 10, digits)).encode()
-    return _fit([b" The pass key is " + key + b". Remember it. ", b" What is the pass key? The pass key is "],
-                 key, length, depth, rng)
+    return _fit([PASSKEY_NEEDLE[0] + key + PASSKEY_NEEDLE[1], PASSKEY_QUESTION], key, length, depth, rng)
 
 
 def kv_recall_example(length: int, depth: float, rng, pairs: int = 4) -> tuple[bytes, bytes]:

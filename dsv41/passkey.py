@@ -45,6 +45,9 @@ def examples(context: int, depth: float, n: int, seed: int = 0) -> tuple[list[li
     every depth, so the depths differ only in where the needle sits."""
     if not 0 <= depth <= 1:
         raise ConfigError("depth", depth, "expected a fraction in [0, 1]")
+    if context < data_lib.passkey_min_length(DIGITS):
+        raise ConfigError("context", context, f"expected at least {data_lib.passkey_min_length(DIGITS)} tokens "
+                          "(the needle, the question and the answer)")
     prompts, answers = [], []
     for i in range(n):
         rng = np.random.default_rng([seed, context, i])

@@ -12,6 +12,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(__file__).resolve().parent / "data"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -21,7 +22,6 @@ def _drop_compiled_programs():
     yield
     import jax
     jax.clear_caches()
-DATA = Path(__file__).resolve().parent / "data"
 
 
 @pytest.fixture

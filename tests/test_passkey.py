@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from dsv41 import demo, passkey
+from dsv41.errors import ConfigError
 
 
 def test_examples_put_the_key_at_the_depth():
@@ -45,3 +46,14 @@ def test_table_and_cli():
     passkey.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["passkey", "--contexts", "2048", "--depths", "0,1", "--n", "4", "--set", "quant=none"])
     assert (args.contexts, args.depths, args.n, args.set) == ("2048", "0,1", 4, ["quant=none"])
+
+
+def test_bad_contexts_are_errors_naming_them():
+    """A fractional context is refused, not truncated to an int; one too short for the needle, the question
+    and the answer names the context and the length it needs."""
+    parser = argparse.ArgumentParser()
+    passkey.add_parser(parser.add_subparsers(dest="command"))
+    with pytest.raises(ConfigError, match=r"'--contexts' = '2048.5'"):
+        passkey.run(parser.parse_args(["passkey", "--contexts", "2048.5"]))
+    with pytest.raises(ConfigError, match=r"'context' = 40: expected at least 81"):
+        passkey.examples(40, 0.5, 1)
