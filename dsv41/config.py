@@ -311,7 +311,7 @@ def _validate_common(cfg) -> None:
     a = cfg.architecture
     _positive(cfg, *(f"architecture.{k}" for k in (
         "vocab_size", "hidden_size", "num_heads", "head_dim", "rope_head_dim", "q_lora_rank",
-        "o_groups", "o_lora_rank", "norm_eps")))
+        "o_groups", "o_lora_rank", "norm_eps", "initializer_range")))
     if a.rope_head_dim % 2 or a.rope_head_dim > a.head_dim:
         raise ConfigError("architecture.rope_head_dim", a.rope_head_dim,
                           f"expected an even number <= head_dim ({a.head_dim})")

@@ -108,6 +108,8 @@ _V41 = {
         "o_groups": 8,
         "o_lora_rank": 1024,
         "norm_eps": 1e-20,
+        # std of the normal init of every weight matrix and the embedding (transformers' initializer_range)
+        "initializer_range": 0.02,
         "tie_embeddings": False,
         "rope": {
             "theta": 10000.0,

@@ -129,9 +129,10 @@ def split_variables(variables: nnx.State) -> tuple[nnx.State, nnx.State]:
     return nnx.split_state(variables, nnx.Param, ...)
 
 
-def init_state(cfg, tc: TrainConfig, key: jax.Array) -> TrainState:
-    """A fresh TrainState: `init_params(cfg, key)`, zero optimiser moments, step 0."""
-    params, buffers = split_variables(model_lib.init_params(cfg, key))
+def init_state(cfg, tc: TrainConfig, key: jax.Array, variables: nnx.State | None = None) -> TrainState:
+    """A fresh TrainState at step 0 with zero optimiser moments, from `variables` (e.g. `load_params`,
+    for continued training) or else `init_params(cfg, key)`."""
+    params, buffers = split_variables(model_lib.init_params(cfg, key) if variables is None else variables)
     return TrainState(params, optimizer(tc).init(params), jnp.zeros((), jnp.int32), buffers)
 
 
@@ -410,12 +411,13 @@ def answer_exact_match(state: TrainState, cfg, batch: dict) -> np.ndarray:
 
 
 def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=None, progress=None,
-        on_metrics=None) -> tuple[TrainState, list[dict]]:
+        initial: nnx.State | None = None) -> tuple[TrainState, list[dict]]:
     """Runs `steps` optimiser steps in total (resuming from `checkpointer`'s newest complete step if any).
 
     data: an iterator of batches with `state()` / `restore(dict)` (`dsv41.data`); progress: a
     callable(step, metrics) called after every step (e.g. a tqdm update). Returns (final state, the
-    metrics of the steps run here, as floats).
+    metrics of the steps run here, as floats). initial: the variables a fresh run starts from (`load_params`
+    of an exported or converted checkpoint) instead of a random init; a resumed run ignores it.
     """
     step_fn = train_step_for(cfg, tc)
     state, start = None, 0
@@ -424,7 +426,7 @@ def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=N
         data.restore(data_state)
         start = int(state.step)
     if state is None:
-        state = init_state(cfg, tc, jax.random.key(seed))
+        state = init_state(cfg, tc, jax.random.key(seed), initial)
     history = []
     for step in range(start, steps):
         state, metrics = step_fn(state, next(data))
@@ -465,6 +467,9 @@ def add_parser(subparsers):
                    help="override a config field (e.g. quant=none) or a train field (train.remat=block)")
     p.add_argument("--eval-batches", type=int, default=4,
                    help="synthetic tasks: held-out batches scored for exact-match accuracy at the end")
+    p.add_argument("--init-from", default=None, metavar="PATH",
+                   help="start from these weights (a safetensors file of --export / dsv41 convert for the same "
+                        "config) instead of a random init; optimiser state and step start fresh")
     p.add_argument("--export", default=None, metavar="PATH",
                    help="write the trained variables (parameters and balance biases) to one safetensors file "
                         "that dsv41.convert.load_params reads")
@@ -499,8 +504,13 @@ def run(args) -> int:
         bar.update(1)
         bar.set_postfix(loss=f"{m['loss']:.3f}", ce=f"{m['ce']:.3f}", kl=f"{m['kl']:.4f}")
 
+    initial = None
+    if args.init_from:
+        from dsv41.convert import load_params
+        initial = load_params(args.init_from, cfg)
     t0 = time.time()
-    state, history = fit(cfg, tc, data, args.steps, seed=args.seed, checkpointer=ckpt, progress=progress)
+    state, history = fit(cfg, tc, data, args.steps, seed=args.seed, checkpointer=ckpt, progress=progress,
+                         initial=initial)
     bar.close()
     if ckpt is not None:
         ckpt.close()

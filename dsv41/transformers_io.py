@@ -77,6 +77,7 @@ def common_architecture(c: Mapping, family: str) -> dict:
         "o_groups": c["o_groups"],
         "o_lora_rank": c["o_lora_rank"],
         "norm_eps": c["rms_norm_eps"],
+        "initializer_range": c.get("initializer_range", 0.02),
         "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
         "rope": {
             "theta": main["rope_theta"],

@@ -151,6 +151,37 @@ def test_only_params_are_trained(cfg):
     assert {p[-1] for p in buffers} == {"bias"}  # the MoE BalanceBias of every layer
 
 
+def test_initializer_range_sets_the_weight_std(cfg):
+    """Every random-normal weight (projections, embedding, experts, mHC) is drawn with std
+    `architecture.initializer_range`; deterministic leaves (norm scales, sinks, biases) do not change."""
+    for std in (0.02, 0.1):
+        small = dsv41.load_config("tiny", MICRO + [f"architecture.initializer_range={std}"])
+        flat = {".".join(map(str, p)): np.asarray(v.get_value(), np.float64)
+                for p, v in nnx.to_flat_state(model_lib.init_params(small, jax.random.key(3)))}
+        for name in ("embed", "head.w", "layers.3.attn.wkv.w", "layers.3.attn.wo_a", "layers.0.ffn.w2",
+                     "layers.0.hc_attn.fn"):
+            w = flat[name]
+            # the sample std of n normals is within 4 standard errors (std / sqrt(2n)) of std
+            assert abs(w.std() - std) < 4 * std / np.sqrt(2 * w.size) + 1e-12, (name, w.std(), std)
+        assert np.all(flat["layers.3.attn.attn_sink"] == 0) and np.all(flat["norm.weight"] == 1)
+    with pytest.raises(dsv41.ConfigError, match="initializer_range"):
+        dsv41.load_config("tiny", ["architecture.initializer_range=0"])
+
+
+def test_init_state_starts_from_given_variables(cfg):
+    """Continued training (`fit(initial=...)`, `dsv41 train --init-from`): the state holds exactly the
+    given variables, step 0 and zero Adam moments."""
+    variables = model_lib.init_params(cfg, jax.random.key(11))
+    state = train.init_state(cfg, TC, jax.random.key(0), variables)
+    params, buffers = train.split_variables(variables)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(buffers), jax.tree.leaves(state.buffers)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(state.step) == 0
+    assert all(float(jnp.abs(m).max()) == 0 for m in jax.tree.leaves(state.opt_state) if m.ndim >= 1)
+
+
 @pytest.mark.slow
 def test_loss_decreases_and_resume_is_exact(cfg, tmp_path):
     """Passkey, 30 steps: the response loss starts at the uniform ln 256 and falls by more than 2 nats
@@ -317,8 +348,10 @@ def test_cli_parser():
     parser = argparse.ArgumentParser()
     train.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["train", "--config", "tiny", "--task", "kv_recall", "--steps", "7",
-                              "--set", "train.remat=block", "--set", "quant=none", "--ckpt-dir", "/tmp/x"])
+                              "--set", "train.remat=block", "--set", "quant=none", "--ckpt-dir", "/tmp/x",
+                              "--init-from", "w.safetensors"])
     assert (args.config, args.task, args.steps, args.ckpt_dir) == ("tiny", "kv_recall", 7, "/tmp/x")
+    assert args.init_from == "w.safetensors"
     assert args.set == ["train.remat=block", "quant=none"]
 
 

@@ -50,7 +50,7 @@ class Attention(nnx.Module):
         self.wkv = Dense(d, k, ("embed", "kv"), policy=policy, rngs=rngs)
         self.kv_norm = RMSNorm(k, a.norm_eps, "kv")
         self.wo_a = param(rngs, (a.o_groups, h * k // a.o_groups, a.o_lora_rank), ("o_groups", "o_in", "o_lora"),
-                          policy.param_dtype)
+                          policy.param_dtype, policy.init_std)
         self.wo_b = Dense(a.o_groups * a.o_lora_rank, d, ("o_proj", "embed"), policy=policy, rngs=rngs)
         self.attn_sink = nnx.Param(jnp.zeros((h,), jnp.float32), out_sharding=("heads",), eager_sharding=False)
         self.policy = policy

@@ -19,7 +19,8 @@ class Block(nnx.Module):
                  policy: Policy, rngs: nnx.Rngs):
         a = cfg.architecture
         d, n = a.hidden_size, a.mhc.streams
-        hc = dict(sinkhorn_iters=a.mhc.sinkhorn_iters, eps=a.mhc.eps, norm_eps=a.norm_eps, rngs=rngs)
+        hc = dict(sinkhorn_iters=a.mhc.sinkhorn_iters, eps=a.mhc.eps, norm_eps=a.norm_eps, init_std=policy.init_std,
+                  rngs=rngs)
         e = a.engram
         self.engram = (Engram(d, n, engram_rows, e.row_dim, (e.max_ngram - 1) * e.heads_per_ngram, a.norm_eps,
                               policy=policy, rngs=rngs) if record.engram else None)

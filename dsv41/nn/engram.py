@@ -22,7 +22,7 @@ class Engram(nnx.Module):
     def __init__(self, dim: int, streams: int, rows: int, row_dim: int, columns: int, eps: float, *,
                  policy: Policy, rngs: nnx.Rngs):
         self.dim, self.streams, self.eps = dim, streams, eps
-        self.table = param(rngs, (rows, row_dim), ("engram_rows", "engram_dim"), policy.param_dtype)
+        self.table = param(rngs, (rows, row_dim), ("engram_rows", "engram_dim"), policy.param_dtype, policy.init_std)
         self.wkv = Dense(columns * row_dim, (streams + 1) * dim, ("engram_in", "embed"), policy=policy, rngs=rngs)
         self.q_weight = nnx.Param(jnp.ones((streams, dim), jnp.float32), out_sharding=(None, "embed"),
                                   eager_sharding=False)

@@ -8,12 +8,9 @@ from flax import nnx
 
 from dsv41.nn.policy import Policy
 
-INIT_STD = 0.02  # the port's initializer_range
-
-
-def param(rngs: nnx.Rngs, shape, axes, dtype, init=None) -> nnx.Param:
-    """A parameter with logical axis names; `init` defaults to normal(0.02)."""
-    init = init or jax.nn.initializers.normal(INIT_STD)
+def param(rngs: nnx.Rngs, shape, axes, dtype, std: float) -> nnx.Param:
+    """A parameter with logical axis names, drawn from normal(0, std) (`architecture.initializer_range`)."""
+    init = jax.nn.initializers.normal(std)
     return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=tuple(axes), eager_sharding=False)
 
 
@@ -26,7 +23,7 @@ class Dense(nnx.Module):
 
     def __init__(self, din: int, dout: int, axes: tuple[str, str], *, policy: Policy, rngs: nnx.Rngs):
         self.policy = policy
-        self.w = param(rngs, (din, dout), axes, policy.param_dtype)
+        self.w = param(rngs, (din, dout), axes, policy.param_dtype, policy.init_std)
 
     def __call__(self, x):
         return self.policy.dot(x, self.w[...])

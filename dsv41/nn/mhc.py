@@ -24,10 +24,10 @@ class HyperConnection(nnx.Module):
     """The mixing parameters of one site."""
 
     def __init__(self, streams: int, dim: int, *, sinkhorn_iters: int, eps: float, norm_eps: float,
-                 rngs: nnx.Rngs):
+                 init_std: float, rngs: nnx.Rngs):
         self.streams, self.sinkhorn_iters, self.eps, self.norm_eps = streams, sinkhorn_iters, eps, norm_eps
         mix = (2 + streams) * streams
-        self.fn = param(rngs, (mix, streams * dim), ("hc_mix", "hc_embed"), jnp.float32)
+        self.fn = param(rngs, (mix, streams * dim), ("hc_mix", "hc_embed"), jnp.float32, init_std)
         self.base = nnx.Param(jnp.zeros((mix,), jnp.float32), out_sharding=("hc_mix",), eager_sharding=False)
         self.scale = nnx.Param(jnp.ones((3,), jnp.float32), out_sharding=(None,), eager_sharding=False)
 
@@ -55,9 +55,9 @@ class HyperConnection(nnx.Module):
 class HyperHead(nnx.Module):
     """Classic mHC's final collapse (V4): its own `pre` from the streams (fn [N, N·D], base [N], scale [1])."""
 
-    def __init__(self, streams: int, dim: int, *, eps: float, norm_eps: float, rngs: nnx.Rngs):
+    def __init__(self, streams: int, dim: int, *, eps: float, norm_eps: float, init_std: float, rngs: nnx.Rngs):
         self.eps, self.norm_eps = eps, norm_eps
-        self.fn = param(rngs, (streams, streams * dim), ("hc_mix", "hc_embed"), jnp.float32)
+        self.fn = param(rngs, (streams, streams * dim), ("hc_mix", "hc_embed"), jnp.float32, init_std)
         self.base = nnx.Param(jnp.zeros((streams,), jnp.float32), out_sharding=("hc_mix",), eager_sharding=False)
         self.scale = nnx.Param(jnp.ones((1,), jnp.float32), out_sharding=(None,), eager_sharding=False)
 

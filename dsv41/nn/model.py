@@ -25,11 +25,12 @@ class Transformer(nnx.Module):
         pools = {r.candidate_source for r in plan if r.candidate_source is not None}
         self.streams = a.mhc.streams
         self.engram_layers = tuple(r.index for r in plan if r.engram)
-        self.embed = param(rngs, (a.vocab_size, a.hidden_size), ("vocab", "embed"), policy.param_dtype)
+        self.embed = param(rngs, (a.vocab_size, a.hidden_size), ("vocab", "embed"), policy.param_dtype, policy.init_std)
         self.layers = nnx.List([
             Block(cfg, r, tables, r.index in pools, engram_rows.get(r.index), policy=policy, rngs=rngs)
             for r in plan])
-        self.hc_head = (mhc.HyperHead(a.mhc.streams, a.hidden_size, eps=a.mhc.eps, norm_eps=a.norm_eps, rngs=rngs)
+        self.hc_head = (mhc.HyperHead(a.mhc.streams, a.hidden_size, eps=a.mhc.eps, norm_eps=a.norm_eps,
+                                     init_std=policy.init_std, rngs=rngs)
                         if a.mhc.variant == "classic" else None)
         self.norm = RMSNorm(a.hidden_size, a.norm_eps, "embed")
         self.head = Dense(a.hidden_size, a.vocab_size, ("embed", "vocab"), policy=policy, rngs=rngs)

@@ -44,7 +44,7 @@ class MoE(nnx.Module):
         """hash_vocab > 0: a hash-routed layer (V4) with a table of that many token ids, no balance bias."""
         self.top_k, self.route_scale, self.limit, self.policy = top_k, route_scale, swiglu_limit, policy
         self.num_experts = experts
-        self.gate = param(rngs, (dim, experts), ("embed", "experts"), policy.param_dtype)
+        self.gate = param(rngs, (dim, experts), ("embed", "experts"), policy.param_dtype, policy.init_std)
         if hash_vocab:
             # Distinct random experts per token until a checkpoint brings the real table.
             order = jnp.argsort(jax.random.uniform(rngs.params(), (hash_vocab, experts)), axis=-1)
@@ -55,9 +55,9 @@ class MoE(nnx.Module):
             self.tid2eid = None
             self.bias = BalanceBias(jnp.zeros((experts,), jnp.float32), out_sharding=("experts",),
                                     eager_sharding=False)
-        self.w1 = param(rngs, (experts, dim, inter), ("experts", "embed", "mlp"), policy.param_dtype)
-        self.w3 = param(rngs, (experts, dim, inter), ("experts", "embed", "mlp"), policy.param_dtype)
-        self.w2 = param(rngs, (experts, inter, dim), ("experts", "mlp", "embed"), policy.param_dtype)
+        self.w1 = param(rngs, (experts, dim, inter), ("experts", "embed", "mlp"), policy.param_dtype, policy.init_std)
+        self.w3 = param(rngs, (experts, dim, inter), ("experts", "embed", "mlp"), policy.param_dtype, policy.init_std)
+        self.w2 = param(rngs, (experts, inter, dim), ("experts", "mlp", "embed"), policy.param_dtype, policy.init_std)
         self.shared = SwiGLU(dim, inter * shared, swiglu_limit, policy=policy, rngs=rngs) if shared else None
 
     def route(self, x_ND, tokens_N=None):

@@ -21,6 +21,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class Policy:
     param_dtype: jnp.dtype
     compute_dtype: jnp.dtype
+    init_std: float = 0.02  # std of the normal init of weights (`architecture.initializer_range`)
 
     @property
     def precision(self):
@@ -39,7 +40,7 @@ def from_config(cfg) -> Policy:
         if name not in DTYPES:
             raise ConfigError(f"runtime.{field}", name, f"expected one of {list(DTYPES)}")
         out.append(DTYPES[name])
-    return Policy(*out)
+    return Policy(*out, init_std=float(cfg.architecture.initializer_range))
 
 
 FP32 = Policy(jnp.float32, jnp.float32)
