@@ -36,6 +36,12 @@ def configs_dir() -> Path:
     return Path(str(importlib.resources.files("dsv41.configs")))
 
 
+def shipped_weights(name: str) -> Path:
+    """Where trained weights of the shipped config `name` live (`configs/NAME.safetensors`, beside the
+    config; `convert.save_params` format). The file may not exist."""
+    return configs_dir() / f"{name}.safetensors"
+
+
 def available_configs() -> list[str]:
     """Names accepted by `load_config` without a path."""
     return sorted({p.stem for p in configs_dir().iterdir() if p.suffix in CONFIG_SUFFIXES and p.stem != "__init__"})

@@ -11,13 +11,12 @@ shipped weights runs with random (seeded) parameters: its numbers are real, its 
 from __future__ import annotations
 
 import time
-from importlib import resources
 
 import jax
 import numpy as np
 
 from dsv41 import accounting, cache as cache_lib, data, model, steps
-from dsv41.config import build
+from dsv41.config import build, shipped_weights
 
 DIGITS = 5
 
@@ -32,7 +31,7 @@ def prompt_tokens(n: int, depth: float = 0.5, seed: int = 0) -> tuple[np.ndarray
 
 def trained_weights(cfg_name: str):
     """The weights shipped beside a config (configs/NAME.safetensors), or None."""
-    path = resources.files("dsv41.configs") / f"{cfg_name}.safetensors"
+    path = shipped_weights(cfg_name)
     return path if path.is_file() else None
 
 

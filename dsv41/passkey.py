@@ -14,7 +14,6 @@ import argparse
 import json
 import sys
 import time
-from importlib import resources
 
 import numpy as np
 
@@ -27,7 +26,9 @@ DIGITS = 5
 
 def weights_path():
     """The shipped trained weights of `configs/passkey.json`."""
-    return resources.files("dsv41.configs") / f"{CONFIG}.safetensors"
+    from dsv41.config import shipped_weights
+
+    return shipped_weights(CONFIG)
 
 
 def load_trained(overrides=(), path=None):
