@@ -83,6 +83,9 @@ Progress = Callable[[int, int], None]  # (tensors done, tensors in all)
 def read_safetensors(path) -> dict[str, np.ndarray]:
     """Every tensor of one .safetensors file as a read-only memory-mapped NumPy array (read when used)."""
     path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file: expected a .safetensors file (`dsv41 train --export`, "
+                              "`dsv41 convert`, or the official release's shards)")
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))

@@ -490,6 +490,10 @@ def run(args) -> int:
     else:
         data = data_lib.PackedTokens(data_lib.load_tokens(args.task, args.token_dtype), args.batch, args.seq,
                                      seed=args.seed, vocab_size=cfg.architecture.vocab_size)
+    initial = None
+    if args.init_from:
+        from dsv41.convert import load_params
+        initial = load_params(args.init_from, cfg)
     ckpt = None
     if args.ckpt_dir:
         from dsv41.checkpoint import Checkpointer
@@ -504,10 +508,6 @@ def run(args) -> int:
         bar.update(1)
         bar.set_postfix(loss=f"{m['loss']:.3f}", ce=f"{m['ce']:.3f}", kl=f"{m['kl']:.4f}")
 
-    initial = None
-    if args.init_from:
-        from dsv41.convert import load_params
-        initial = load_params(args.init_from, cfg)
     t0 = time.time()
     state, history = fit(cfg, tc, data, args.steps, seed=args.seed, checkpointer=ckpt, progress=progress,
                          initial=initial)

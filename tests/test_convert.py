@@ -277,6 +277,8 @@ def test_saved_params_load_back_exactly(case, tmp_path):
     with pytest.raises(CheckpointError) as e:
         convert.load_params(tmp_path / "p.safetensors", load_config("tiny"))  # no Engram layer
     assert "unknown tensors (4)" in str(e.value) and "layers.1.engram.table" in str(e.value)
+    with pytest.raises(CheckpointError, match=r"missing.safetensors: no such file: expected a .safetensors file"):
+        convert.load_params(tmp_path / "missing.safetensors", cfg)
 
 
 def test_cli_converts_official_shards_to_a_bfloat16_file(case, tmp_path):
