@@ -8,6 +8,7 @@ from flax import nnx
 
 from dsv41.nn.policy import Policy
 
+
 def param(rngs: nnx.Rngs, shape, axes, dtype, std: float) -> nnx.Param:
     """A parameter with logical axis names, drawn from normal(0, std) (`architecture.initializer_range`)."""
     init = jax.nn.initializers.normal(std)

@@ -1,4 +1,4 @@
-"""The dtype policy: parameter storage, matmul compute and matmul precision, stated once.
+"""The numerics policy: parameter storage and init scale, matmul compute and matmul precision, stated once.
 
 Whatever the policy, the numerically fragile parts run in float32 (DESIGN §3.1, §3.3, §3.6):
 norms, softmaxes, mHC, the router, the ratio-2 compressor pooling; and the parameters the released
