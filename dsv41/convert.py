@@ -80,6 +80,14 @@ Progress = Callable[[int, int], None]  # (tensors done, tensors in all)
 # Files
 
 
+def weights_file(option: str, path) -> Path:
+    """`path` as given to a command-line `option` (e.g. --init-from), checked to be an existing file."""
+    if not Path(path).is_file():
+        raise ConfigError(option, str(path), "expected an existing .safetensors weights file "
+                          "(written by `dsv41 train --export` or `dsv41 convert`)")
+    return Path(path)
+
+
 def read_safetensors(path) -> dict[str, np.ndarray]:
     """Every tensor of one .safetensors file as a read-only memory-mapped NumPy array (read when used)."""
     path = Path(path)

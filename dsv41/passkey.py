@@ -127,6 +127,10 @@ def run(args) -> int:
     depths = _floats(args.depths, "--depths")
     if args.n < 1:
         raise ConfigError("--n", args.n, "expected at least 1 prompt per cell")
+    if args.weights is not None:
+        from dsv41.convert import weights_file
+
+        weights_file("--weights", args.weights)
     cfg, params = load_trained(args.set, args.weights)
     say = (lambda r: None) if args.json else (
         lambda r: print(f"  context {r['context']}, depth {r['depth']:g}: {r['accuracy']:.1%} "

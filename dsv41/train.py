@@ -492,8 +492,9 @@ def run(args) -> int:
                                      seed=args.seed, vocab_size=cfg.architecture.vocab_size)
     initial = None
     if args.init_from:
-        from dsv41.convert import load_params
-        initial = load_params(args.init_from, cfg)
+        from dsv41.convert import load_params, weights_file
+
+        initial = load_params(weights_file("--init-from", args.init_from), cfg)
     ckpt = None
     if args.ckpt_dir:
         from dsv41.checkpoint import Checkpointer

@@ -48,12 +48,14 @@ def test_table_and_cli():
     assert (args.contexts, args.depths, args.n, args.set) == ("2048", "0,1", 4, ["quant=none"])
 
 
-def test_bad_contexts_are_errors_naming_them():
+def test_bad_contexts_and_weights_are_errors_naming_them():
     """A fractional context is refused, not truncated to an int; one too short for the needle, the question
-    and the answer names the context and the length it needs."""
+    and the answer names the context and the length it needs; a missing --weights file is named."""
     parser = argparse.ArgumentParser()
     passkey.add_parser(parser.add_subparsers(dest="command"))
     with pytest.raises(ConfigError, match=r"'--contexts' = '2048.5'"):
         passkey.run(parser.parse_args(["passkey", "--contexts", "2048.5"]))
     with pytest.raises(ConfigError, match=r"'context' = 40: expected at least 81"):
         passkey.examples(40, 0.5, 1)
+    with pytest.raises(ConfigError, match=r"'--weights' = '/nonexistent/w.safetensors': expected an existing"):
+        passkey.run(parser.parse_args(["passkey", "--weights", "/nonexistent/w.safetensors"]))

@@ -352,6 +352,8 @@ def test_cli_parser():
                               "--init-from", "w.safetensors"])
     assert (args.config, args.task, args.steps, args.ckpt_dir) == ("tiny", "kv_recall", 7, "/tmp/x")
     assert args.init_from == "w.safetensors"
+    with pytest.raises(dsv41.ConfigError, match=r"'--init-from' = '/nonexistent/w.safetensors': expected an existing"):
+        train.run(parser.parse_args(["train", "--config", "tiny", "--init-from", "/nonexistent/w.safetensors"]))
     assert args.set == ["train.remat=block", "quant=none"]
 
 
