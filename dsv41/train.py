@@ -393,31 +393,47 @@ def train_step_for(cfg, tc: TrainConfig):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _exact(key, params, buffers, inputs, targets, mask, engram_ids=None):
+def _score(key, params, buffers, inputs, targets, mask, engram_ids=None):
+    """Per row: (every response token is the argmax, Σ response-token CE, response tokens)."""
     model = nnx.merge(model_lib._graphdef(key), params, buffers)
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-    hit = (jnp.argmax(model(inputs, positions, engram_ids), -1) == targets) | (mask == 0)
-    return jnp.all(hit, axis=-1)
+    logits = model(inputs, positions, engram_ids).astype(jnp.float32)
+    hit = (jnp.argmax(logits, -1) == targets) | (mask == 0)
+    ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+    return jnp.all(hit, axis=-1), jnp.sum(ce * mask, axis=-1), jnp.sum(mask, axis=-1)
+
+
+def _scores(state: TrainState, cfg, batch: dict):
+    _check_batch(batch)
+    batch = with_engram_ids(cfg, batch)
+    return _score(model_lib.config_key(cfg), state.params, state.buffers,
+                  *(jnp.asarray(batch[k]) for k in ("inputs", "targets", "loss_mask")), batch.get("engram_ids"))
 
 
 def answer_exact_match(state: TrainState, cfg, batch: dict) -> np.ndarray:
     """[B] bool: every response token is the argmax of the teacher-forced logits — the same as greedy
     decoding reproducing the whole answer (each greedy token is then the teacher's)."""
-    _check_batch(batch)
-    batch = with_engram_ids(cfg, batch)
-    return np.asarray(_exact(model_lib.config_key(cfg), state.params, state.buffers,
-                             *(jnp.asarray(batch[k]) for k in ("inputs", "targets", "loss_mask")),
-                             batch.get("engram_ids")))
+    return np.asarray(_scores(state, cfg, batch)[0])
+
+
+def evaluate(state: TrainState, cfg, batches: list[dict]) -> dict:
+    """Held-out scores over `batches`: exact_match (fraction of rows whose whole answer is the greedy
+    one, `answer_exact_match`), answer_ce (mean cross-entropy per response token, nats) and rows."""
+    hits, ce, tokens = (np.concatenate(parts) for parts in zip(*(
+        [np.asarray(x, np.float64) for x in _scores(state, cfg, b)] for b in batches)))
+    return {"exact_match": float(hits.mean()), "answer_ce": float(ce.sum() / tokens.sum()), "rows": len(hits)}
 
 
 def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=None, progress=None,
-        initial: nnx.State | None = None) -> tuple[TrainState, list[dict]]:
+        initial: nnx.State | None = None, evaluate=None, eval_every: int = 0) -> tuple[TrainState, list[dict]]:
     """Runs `steps` optimiser steps in total (resuming from `checkpointer`'s newest complete step if any).
 
     data: an iterator of batches with `state()` / `restore(dict)` (`dsv41.data`); progress: a
     callable(step, metrics) called after every step (e.g. a tqdm update). Returns (final state, the
     metrics of the steps run here, as floats). initial: the variables a fresh run starts from (`load_params`
     of an exported or converted checkpoint) instead of a random init; a resumed run ignores it.
+    evaluate: a callable(state) -> {name: float} (e.g. `evaluate` on held-out batches) run after every
+    `eval_every`-th step; its results join that step's metrics as `eval_<name>`.
     """
     step_fn = train_step_for(cfg, tc)
     state, start = None, 0
@@ -431,6 +447,8 @@ def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=N
     for step in range(start, steps):
         state, metrics = step_fn(state, next(data))
         metrics = {k: float(v) for k, v in metrics.items()}
+        if evaluate is not None and eval_every and (step + 1) % eval_every == 0:
+            metrics.update({f"eval_{k}": v for k, v in evaluate(state).items()})
         history.append(metrics)
         if checkpointer is not None:
             checkpointer.save(step + 1, state, data.state(), force=step + 1 == steps)
@@ -466,7 +484,9 @@ def add_parser(subparsers):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (e.g. quant=none) or a train field (train.remat=block)")
     p.add_argument("--eval-batches", type=int, default=4,
-                   help="synthetic tasks: held-out batches scored for exact-match accuracy at the end")
+                   help="synthetic tasks: held-out batches scored for exact-match accuracy and answer CE at the end")
+    p.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="synthetic tasks: also score the held-out batches after every N-th step (0: only at the end)")
     p.add_argument("--init-from", default=None, metavar="PATH",
                    help="start from these weights (a safetensors file of --export / dsv41 convert for the same "
                         "config) instead of a random init; optimiser state and step start fresh")
@@ -485,11 +505,23 @@ def run(args) -> int:
     train_sets = dict(parse_override(s[len("train."):]) for s in args.set if s.startswith("train."))
     cfg = load_config(args.config, [s for s in args.set if not s.startswith("train.")])
     tc = TrainConfig(total_steps=args.steps).replace(train_sets)
-    if args.task in data_lib.TASKS:
+    synthetic = args.task in data_lib.TASKS
+    if args.eval_every < 0 or (args.eval_every and not (synthetic and args.eval_batches > 0)):
+        raise ConfigError("--eval-every", args.eval_every,
+                          "expected 0 (score only at the end) or a positive step count; held-out rows exist only "
+                          "for the synthetic tasks with --eval-batches > 0")
+    if args.eval_batches < 0:
+        raise ConfigError("--eval-batches", args.eval_batches, "expected a batch count of 0 or more")
+    if synthetic:
         data = data_lib.Synthetic(args.task, args.batch, args.seq, seed=args.seed, key_digits=args.key_digits)
     else:
         data = data_lib.PackedTokens(data_lib.load_tokens(args.task, args.token_dtype), args.batch, args.seq,
                                      seed=args.seed, vocab_size=cfg.architecture.vocab_size)
+    held_out = []
+    if synthetic and args.eval_batches:  # a stream no training row comes from
+        stream = data_lib.Synthetic(args.task, args.batch, args.seq, seed=args.seed + 1_000_003,
+                                    key_digits=args.key_digits)
+        held_out = [next(stream) for _ in range(args.eval_batches)]
     initial = None
     if args.init_from:
         from dsv41.convert import load_params, weights_file
@@ -508,10 +540,13 @@ def run(args) -> int:
     def progress(step, m):
         bar.update(1)
         bar.set_postfix(loss=f"{m['loss']:.3f}", ce=f"{m['ce']:.3f}", kl=f"{m['kl']:.4f}")
+        if "eval_exact_match" in m and not args.json:
+            bar.write(f"step {step}: held-out exact match {m['eval_exact_match']:.3f}, "
+                      f"answer CE {m['eval_answer_ce']:.4f} ({m['eval_rows']} rows)")
 
     t0 = time.time()
     state, history = fit(cfg, tc, data, args.steps, seed=args.seed, checkpointer=ckpt, progress=progress,
-                         initial=initial)
+                         initial=initial, evaluate=lambda st: evaluate(st, cfg, held_out), eval_every=args.eval_every)
     bar.close()
     if ckpt is not None:
         ckpt.close()
@@ -520,15 +555,16 @@ def run(args) -> int:
         from dsv41.convert import save_params
         out["exported_bytes"] = save_params(nnx.merge_state(state.params, state.buffers), args.export,
                                             args.export_dtype)
-    if args.task in data_lib.TASKS and args.eval_batches:
-        held_out = data_lib.Synthetic(args.task, args.batch, args.seq, seed=args.seed + 1_000_003,
-                                      key_digits=args.key_digits)
-        hits = np.concatenate([answer_exact_match(state, cfg, next(held_out)) for _ in range(args.eval_batches)])
-        out["exact_match"] = float(hits.mean())
+    if held_out:
+        last = history[-1] if history else {}
+        scores = ({k[len("eval_"):]: v for k, v in last.items() if k.startswith("eval_")}
+                  or evaluate(state, cfg, held_out))
+        out.update(exact_match=scores["exact_match"], answer_ce=scores["answer_ce"])
     if args.json:
         print(json.dumps(out))
     else:
         final = out["final"] or {}
         print(f"{args.steps} steps in {out['seconds']:.1f} s; final loss {final.get('loss', float('nan')):.4f}"
-              + (f"; held-out exact match {out['exact_match']:.3f}" if "exact_match" in out else ""))
+              + (f"; held-out exact match {out['exact_match']:.3f}, answer CE {out['answer_ce']:.4f}"
+                 if "exact_match" in out else ""))
     return 0

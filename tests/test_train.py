@@ -355,6 +355,38 @@ def test_cli_parser():
     with pytest.raises(dsv41.ConfigError, match=r"'--init-from' = '/nonexistent/w.safetensors': expected an existing"):
         train.run(parser.parse_args(["train", "--config", "tiny", "--init-from", "/nonexistent/w.safetensors"]))
     assert args.set == ["train.remat=block", "quant=none"]
+    assert parser.parse_args(["train"]).eval_every == 0  # by default the held-out rows are scored at the end only
+    for bad, match in ((["--eval-every", "-1"], r"'--eval-every' = -1: expected 0"),
+                       (["--eval-every", "5", "--task", "/nonexistent/tokens.npy"],
+                        r"'--eval-every' = 5: .*only for the synthetic tasks"),
+                       (["--eval-every", "5", "--eval-batches", "0"], r"'--eval-every' = 5"),
+                       (["--eval-batches", "-2"], r"'--eval-batches' = -2: expected a batch count")):
+        with pytest.raises(dsv41.ConfigError, match=match):
+            train.run(parser.parse_args(["train", "--config", "tiny", *bad]))
+
+
+@pytest.mark.slow
+def test_periodic_evaluation_scores_the_held_out_rows(cfg):
+    """fit(evaluate=, eval_every=2) scores after steps 2 and 4; the scores of the final state equal the
+    greedy exact match and the answer CE recomputed from `forward`'s logits in NumPy float64."""
+    held = [next(passkey(seed=7)), next(passkey(seed=8))]
+    state, history = train.fit(cfg, TC, passkey(), 4, evaluate=lambda st: train.evaluate(st, cfg, held), eval_every=2)
+    assert ["eval_exact_match" in m for m in history] == [False, True, False, True]
+    variables = nnx.merge_state(state.params, state.buffers)
+    hits, ce_sum, tokens = [], 0.0, 0
+    for batch in held:
+        logits = np.asarray(model_lib.forward(variables, cfg, batch["inputs"]), np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        answer = batch["loss_mask"] > 0
+        ce_sum += -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0][answer].sum()
+        tokens += answer.sum()
+        hits += list(np.all((logits.argmax(-1) == batch["targets"]) | ~answer, axis=-1))
+    last = history[-1]
+    assert last["eval_rows"] == 2 * BATCH
+    assert last["eval_exact_match"] == np.mean(hits)
+    assert last["eval_answer_ce"] == pytest.approx(ce_sum / tokens, rel=1e-5)
+    assert history[1]["eval_answer_ce"] != last["eval_answer_ce"]  # scored on the state of its own step
 
 
 @pytest.mark.slow
