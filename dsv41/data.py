@@ -130,16 +130,22 @@ class Synthetic:
     """Batches of a synthetic task, example i drawn from (seed, i): the state is the next example index.
 
     depth: a fixed needle depth in [0, 1], or None for a uniform random depth per example.
+    prompt_weight: the `loss_mask` of the prompt tokens (the answer's is 1). 0 trains on the answer only;
+    a small weight adds next-token prediction on the filler text, which is what grows the
+    previous-token heads that retrieval by induction needs (answer-only training never builds them).
     """
 
     def __init__(self, task: str, batch: int, seq: int, seed: int = 0, depth: float | None = None,
-                 key_digits: int = 5):
+                 key_digits: int = 5, prompt_weight: float = 0.0):
         if task not in TASKS:
             raise ValueError(f"task: {task!r}: expected one of {TASKS}")
         if key_digits < 1:
             raise ValueError(f"key_digits: {key_digits}: expected at least 1")
         if depth is not None and not 0 <= depth <= 1:
             raise ValueError(f"depth: {depth}: expected a fraction in [0, 1] or None")
+        if not 0 <= prompt_weight <= 1:
+            raise ValueError(f"prompt_weight: {prompt_weight}: expected a loss weight in [0, 1]")
+        self.prompt_weight = float(prompt_weight)
         self.task, self.batch, self.seq, self.seed, self.depth = task, batch, seq, seed, depth
         self.key_digits = key_digits  # passkey: digits per key (longer keys: more retrieval targets per row)
         self.index = 0
@@ -166,6 +172,6 @@ class Synthetic:
         for i in range(self.index, self.index + self.batch):
             prompt, answer = self.example(i)
             rows.append(np.frombuffer(prompt + answer, np.uint8))
-            masks.append(np.r_[np.zeros(len(prompt)), np.ones(len(answer))])
+            masks.append(np.r_[np.full(len(prompt), self.prompt_weight), np.ones(len(answer))])
         self.index += self.batch
         return _batch(np.stack(rows).astype(np.int64), np.stack(masks))

@@ -1,8 +1,9 @@
 """Continued training of the compressed architecture (DESIGN §10).
 
 One optimiser step is the pure, jitted `train_step(state, batch) -> (state, metrics)`:
-- next-token cross-entropy on the decoder outputs, averaged over the tokens the batch's `loss_mask`
-  marks (the response of a prompt/response example; see `dsv41.data` for the split rules);
+- next-token cross-entropy on the decoder outputs, the mean over tokens weighted by the batch's
+  `loss_mask` (1 on the response of a prompt/response example, 0 or a small weight on its prompt; see
+  `dsv41.data` for the split rules);
 - the lightning indexer trained by a KL loss toward the main attention (V3.2's DSA recipe): for each
   Full/Reindex layer and query t, the target p[t, :] is the layer's main attention probability on each
   selectable compressed entry summed over heads and L1-normalised, under stop-gradient; the indexer
@@ -483,6 +484,9 @@ def add_parser(subparsers):
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (e.g. quant=none) or a train field (train.remat=block)")
+    p.add_argument("--prompt-loss-weight", type=float, default=0.0, metavar="W",
+                   help="synthetic tasks: loss weight of the prompt (filler) tokens, the answer's being 1; a small "
+                        "weight (0.2) grows the previous-token heads retrieval needs (held-out scores stay answer-only)")
     p.add_argument("--eval-batches", type=int, default=4,
                    help="synthetic tasks: held-out batches scored for exact-match accuracy and answer CE at the end")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
@@ -512,8 +516,12 @@ def run(args) -> int:
                           "for the synthetic tasks with --eval-batches > 0")
     if args.eval_batches < 0:
         raise ConfigError("--eval-batches", args.eval_batches, "expected a batch count of 0 or more")
+    if not 0 <= args.prompt_loss_weight <= 1 or (args.prompt_loss_weight and not synthetic):
+        raise ConfigError("--prompt-loss-weight", args.prompt_loss_weight,
+                          "expected a weight in [0, 1], and 0 for a token file (every token there is trained on)")
     if synthetic:
-        data = data_lib.Synthetic(args.task, args.batch, args.seq, seed=args.seed, key_digits=args.key_digits)
+        data = data_lib.Synthetic(args.task, args.batch, args.seq, seed=args.seed, key_digits=args.key_digits,
+                                  prompt_weight=args.prompt_loss_weight)
     else:
         data = data_lib.PackedTokens(data_lib.load_tokens(args.task, args.token_dtype), args.batch, args.seq,
                                      seed=args.seed, vocab_size=cfg.architecture.vocab_size)

@@ -82,6 +82,18 @@ def test_passkey_key_digits():
         data_lib.Synthetic("passkey", 2, 160, key_digits=0)
 
 
+def test_prompt_weight_weights_the_prompt_tokens():
+    """prompt_weight puts that weight on every prompt target and 1 on the answer; rows are unchanged."""
+    plain = next(data_lib.Synthetic("passkey", 2, 96, seed=5))
+    weighted = next(data_lib.Synthetic("passkey", 2, 96, seed=5, prompt_weight=0.25))
+    np.testing.assert_array_equal(plain["inputs"], weighted["inputs"])
+    answer = plain["loss_mask"] == 1
+    assert answer.sum() == 2 * 5 and set(np.unique(weighted["loss_mask"][~answer])) == {0.25}
+    assert (weighted["loss_mask"][answer] == 1).all()
+    with pytest.raises(ValueError, match="prompt_weight: 1.5"):
+        data_lib.Synthetic("passkey", 2, 96, prompt_weight=1.5)
+
+
 def test_passkey_depth_places_the_needle():
     seq = 400
     for depth in (0.0, 0.5, 1.0):
@@ -360,7 +372,9 @@ def test_cli_parser():
                        (["--eval-every", "5", "--task", "/nonexistent/tokens.npy"],
                         r"'--eval-every' = 5: .*only for the synthetic tasks"),
                        (["--eval-every", "5", "--eval-batches", "0"], r"'--eval-every' = 5"),
-                       (["--eval-batches", "-2"], r"'--eval-batches' = -2: expected a batch count")):
+                       (["--eval-batches", "-2"], r"'--eval-batches' = -2: expected a batch count"),
+                       (["--prompt-loss-weight", "2"], r"'--prompt-loss-weight' = 2.0: expected a weight in \[0, 1\]"),
+                       (["--prompt-loss-weight", "0.2", "--task", "/nonexistent/tokens.npy"], r"'--prompt-loss-weight'")):
         with pytest.raises(dsv41.ConfigError, match=match):
             train.run(parser.parse_args(["train", "--config", "tiny", *bad]))
 
