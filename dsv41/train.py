@@ -485,8 +485,8 @@ def add_parser(subparsers):
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field (e.g. quant=none) or a train field (train.remat=block)")
     p.add_argument("--prompt-loss-weight", type=float, default=0.0, metavar="W",
-                   help="synthetic tasks: loss weight of the prompt (filler) tokens, the answer's being 1; a small "
-                        "weight (0.2) grows the previous-token heads retrieval needs (held-out scores stay answer-only)")
+                   help="synthetic tasks: loss weight of the prompt (filler) tokens, the answer's being 1 (default 0: "
+                        "answer only); held-out scores stay answer-only")
     p.add_argument("--eval-batches", type=int, default=4,
                    help="synthetic tasks: held-out batches scored for exact-match accuracy and answer CE at the end")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
