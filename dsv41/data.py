@@ -131,8 +131,8 @@ class Synthetic:
 
     depth: a fixed needle depth in [0, 1], or None for a uniform random depth per example.
     prompt_weight: the `loss_mask` of the prompt tokens (the answer's is 1). 0 trains on the answer only;
-    a small weight adds next-token prediction on the filler text (the passkey model learnt exact
-    retrieval with 0.2 at learning rate 1e-3).
+    a small weight adds next-token prediction on the filler text (for the passkey model it changed
+    little: held-out exact match 1.0 by step 600 with 0.2, by step 750 with 0, both at lr 1e-3).
     """
 
     def __init__(self, task: str, batch: int, seq: int, seed: int = 0, depth: float | None = None,
