@@ -423,21 +423,22 @@ def answer_exact_match(state: TrainState, cfg, batch: dict) -> np.ndarray:
 
 def evaluate(state: TrainState, cfg, batches: list[dict]) -> dict:
     """Held-out scores over `batches`: exact_match (fraction of rows whose whole answer is the greedy
-    one, `answer_exact_match`), answer_ce (mean cross-entropy per response token, nats) and rows."""
+    one, `answer_exact_match`), answer_ce (mean cross-entropy per response token, nats) and rows.
+    The response is where `loss_mask` > 0, so score rows built with prompt weight 0 (as `run` does)."""
     hits, ce, tokens = (np.concatenate(parts) for parts in zip(*(
         [np.asarray(x, np.float64) for x in _scores(state, cfg, b)] for b in batches)))
     return {"exact_match": float(hits.mean()), "answer_ce": float(ce.sum() / tokens.sum()), "rows": len(hits)}
 
 
 def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=None, progress=None,
-        initial: nnx.State | None = None, evaluate=None, eval_every: int = 0) -> tuple[TrainState, list[dict]]:
+        initial: nnx.State | None = None, evaluator=None, eval_every: int = 0) -> tuple[TrainState, list[dict]]:
     """Runs `steps` optimiser steps in total (resuming from `checkpointer`'s newest complete step if any).
 
     data: an iterator of batches with `state()` / `restore(dict)` (`dsv41.data`); progress: a
     callable(step, metrics) called after every step (e.g. a tqdm update). Returns (final state, the
     metrics of the steps run here, as floats). initial: the variables a fresh run starts from (`load_params`
     of an exported or converted checkpoint) instead of a random init; a resumed run ignores it.
-    evaluate: a callable(state) -> {name: float} (e.g. `evaluate` on held-out batches) run after every
+    evaluator: a callable(state) -> {name: float} (e.g. `evaluate` on held-out batches) run after every
     `eval_every`-th step; its results join that step's metrics as `eval_<name>`.
     """
     step_fn = train_step_for(cfg, tc)
@@ -452,8 +453,8 @@ def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=N
     for step in range(start, steps):
         state, metrics = step_fn(state, next(data))
         metrics = {k: float(v) for k, v in metrics.items()}
-        if evaluate is not None and eval_every and (step + 1) % eval_every == 0:
-            metrics.update({f"eval_{k}": v for k, v in evaluate(state).items()})
+        if evaluator is not None and eval_every and (step + 1) % eval_every == 0:
+            metrics.update({f"eval_{k}": v for k, v in evaluator(state).items()})
         history.append(metrics)
         if checkpointer is not None:
             checkpointer.save(step + 1, state, data.state(), force=step + 1 == steps)
@@ -558,7 +559,7 @@ def run(args) -> int:
 
     t0 = time.time()
     state, history = fit(cfg, tc, data, args.steps, seed=args.seed, checkpointer=ckpt, progress=progress,
-                         initial=initial, evaluate=lambda st: evaluate(st, cfg, held_out), eval_every=args.eval_every)
+                         initial=initial, evaluator=lambda st: evaluate(st, cfg, held_out), eval_every=args.eval_every)
     bar.close()
     if ckpt is not None:
         ckpt.close()

@@ -381,10 +381,10 @@ def test_cli_parser():
 
 @pytest.mark.slow
 def test_periodic_evaluation_scores_the_held_out_rows(cfg):
-    """fit(evaluate=, eval_every=2) scores after steps 2 and 4; the scores of the final state equal the
+    """fit(evaluator=, eval_every=2) scores after steps 2 and 4; the scores of the final state equal the
     greedy exact match and the answer CE recomputed from `forward`'s logits in NumPy float64."""
     held = [next(passkey(seed=7)), next(passkey(seed=8))]
-    state, history = train.fit(cfg, TC, passkey(), 4, evaluate=lambda st: train.evaluate(st, cfg, held), eval_every=2)
+    state, history = train.fit(cfg, TC, passkey(), 4, evaluator=lambda st: train.evaluate(st, cfg, held), eval_every=2)
     assert ["eval_exact_match" in m for m in history] == [False, True, False, True]
     variables = nnx.merge_state(state.params, state.buffers)
     hits, ce_sum, tokens = [], 0.0, 0
