@@ -133,10 +133,10 @@ def run(args) -> int:
 
         weights_file("--weights", args.weights)
     cfg, params = load_trained(args.set, args.weights)
-    say = (lambda r: None) if args.json else (
-        lambda r: print(f"  context {r['context']}, depth {r['depth']:g}: {r['accuracy']:.1%} "
-                        f"({r['seconds']:.1f} s; e.g. {r['answers'][0]} -> {r['decoded'][0]!r})",
-                        file=sys.stderr, flush=True))
+    def say(r):  # progress on stderr in both modes (every long job shows it); --json keeps stdout one object
+        print(f"  context {r['context']}, depth {r['depth']:g}: {r['accuracy']:.1%} ({r['seconds']:.1f} s; "
+              f"e.g. {r['answers'][0]} -> {r['decoded'][0]!r})", file=sys.stderr, flush=True)
+
     rows = table(params, cfg, contexts, depths, args.n, seed=args.seed, chunk=args.chunk, progress=say)
     if args.json:
         print(json.dumps({"quant": cfg.quant, "rows": rows}))
