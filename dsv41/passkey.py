@@ -1,7 +1,7 @@
 """Passkey retrieval through the compressed cache (DESIGN §10): the trained demo model and its accuracy table.
 
 `configs/passkey.json` is a small V4.1-plan model (window-only, Full, Reuse and Reindex layers; FP4
-global cache) trained on CPU in five stages of passkey rows of 96 to 512 tokens (the README's "The
+global cache) trained on CPU in six stages of passkey rows of 96 to 1,024 tokens (the README's "The
 passkey model" gives them as `dsv41 train --task passkey` commands and the accuracy table). Its float32
 weights ship beside the config as `configs/passkey.safetensors` (parameters and the MoE balance
 biases, `convert.save_params`). Retrieval is measured the way a user runs the model: the prompt is
