@@ -23,10 +23,12 @@ leftovers. The byte accounting (`expected_bytes`) describes the quantised V4.1 c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dsv41 import accounting, quant, schema
 from dsv41.errors import ConfigError
@@ -48,11 +50,23 @@ class CompressedKV:
     index_leftover: jax.Array  # float32 [B, 2·ratio-1, 4·dI]: a V4 CSA indexer's own compressor; else [B, 0, 0]
 
 
-@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HostMirror:
+    """What the host knows of a cache without reading the device (DESIGN §6: no device → host read inside
+    prefill/decode): the tokens each row holds and the Engram look-back, as the steps last wrote them."""
+
+    lengths: np.ndarray        # int64 [B]
+    recent_tokens: np.ndarray  # int32 [B, max_ngram-1], -1 before the start
+
+
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=(),
+                   data_fields=("lengths", "window", "window_scales", "compressed", "window_start", "pool_blocks",
+                                "recent_tokens"))
 @dataclasses.dataclass
 class Cache:
     """The whole inference state (as packed; the float cache: window [L, B, W, K] in the compute dtype and
-    window_scales [L, B, W, 0])."""
+    window_scales [L, B, W, 0]). `mirror` is not a pytree leaf: tree operations, jitted functions and
+    `dataclasses.replace` drop it, and `host_view` then reads the lengths from the device once."""
 
     lengths: jax.Array        # int32 [B]           tokens seen per row
     window: jax.Array         # uint8 [L, B, W, K]     the bits of FP8 E4M3 values; slot p % W holds position p
@@ -61,6 +75,22 @@ class Cache:
     window_start: jax.Array   # int32 [L, B]          the first position each ring holds (CED replay start)
     pool_blocks: jax.Array    # int32 [B, max_blocks]  the candidate blocks of the last step (-1: none)
     recent_tokens: jax.Array  # int32 [B, max_ngram-1] the last tokens (Engram look-back), -1 before start
+    mirror: HostMirror | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+
+def host_view(cache: Cache, read=np.asarray) -> HostMirror:
+    """The cache's host mirror, or (a cache built by tree operations, restored or placed on a mesh) its
+    lengths and look-back read from the device with `read` (multi-host: `sharding.to_host`)."""
+    if cache.mirror is not None:
+        return cache.mirror
+    return HostMirror(np.asarray(read(cache.lengths)).astype(np.int64), np.asarray(read(cache.recent_tokens)))
+
+
+def with_mirror(cache: Cache, lengths, recent_tokens) -> Cache:
+    """The cache with its host mirror set (host values: what the device leaves hold)."""
+    out = dataclasses.replace(cache)  # init=False fields are not copied: the result has no mirror yet
+    out.mirror = HostMirror(np.asarray(lengths, np.int64).copy(), np.asarray(recent_tokens, np.int32).copy())
+    return out
 
 
 def full_layers(cfg) -> tuple[int, ...]:
@@ -171,8 +201,10 @@ def init_cache(cfg, batch: int, max_len: int) -> Cache:
     shapes = abstract_cache(cfg, batch, max_len)
     # All-zero bytes: +0 values and the smallest scales (the UE8M0 byte 0 is 2^-127; there is no UE8M0 zero).
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    return dataclasses.replace(cache, pool_blocks=jnp.full(shapes.pool_blocks.shape, -1, jnp.int32),
-                               recent_tokens=jnp.full(shapes.recent_tokens.shape, -1, jnp.int32))
+    recent = np.full(shapes.recent_tokens.shape, -1, np.int32)
+    cache = dataclasses.replace(cache, pool_blocks=jnp.full(shapes.pool_blocks.shape, -1, jnp.int32),
+                                recent_tokens=jnp.asarray(recent))
+    return with_mirror(cache, np.zeros((batch,), np.int64), recent)
 
 
 def nbytes(cache) -> int:

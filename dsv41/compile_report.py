@@ -27,8 +27,6 @@ from dsv41 import model as model_lib
 from dsv41 import sharding as sh
 from dsv41.cache import abstract_cache
 from dsv41.errors import ConfigError
-from dsv41.nn import indexer as ix
-from dsv41.nn import moe
 
 GIB = 1024 ** 3
 # HBM per chip by jax device_kind (public TPU specs).
@@ -186,12 +184,12 @@ def lowered_flops_per_token(cfg, *, batch: int, context: int, weights: str) -> f
     mesh = sh.make_mesh({}, devices=jax.devices("cpu")[:1])
     args, pshard = abstract_inputs(cfg, mesh, "serve", weights=weights, batch=batch, seq=1, context=context,
                                    engram_host=False)
-    fn = sh.step_function(cfg, mesh, "serve", tokens_shape=(batch, 1), ids_shape=None if args[4] is None else
-                          args[4].shape, max_len=context, params_shardings=pshard, engram_host=False)
     # XLA's cost analysis counts a loop body once and a ragged_dot as dense over its groups: trace the
     # indexer's head loop unrolled and the experts as one matmul per pick, which cost what they compute.
-    with ix.unrolled_head_loops(), moe.per_pick_weights():
-        cost = fn.trace(*args).lower().cost_analysis()
+    fn = sh.step_function(cfg, mesh, "serve", tokens_shape=(batch, 1), ids_shape=None if args[4] is None else
+                          args[4].shape, max_len=context, params_shardings=pshard, engram_host=False,
+                          flop_counting=True)
+    cost = fn.trace(*args).lower().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return float(cost["flops"]) / batch
 

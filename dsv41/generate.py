@@ -1,9 +1,14 @@
-"""Text generation over the inference cache (DESIGN §6, §11): chunked prefill, then one decode per token.
+"""Text generation over the inference cache (DESIGN §6, §11): chunked prefill, then the decode loop.
 
 `generate(params, cfg, prompt_ids, max_new_tokens=…)` returns the new ids of one prompt;
 `generate_batch` does the same for several prompts of different lengths at once. Greedy when
-temperature is 0, otherwise temperature sampling with nucleus (top-p) filtering, drawn with
-`jax.random` from the seed: the same seed gives the same ids.
+temperature is 0, otherwise temperature sampling kept to the top-k ids and then to the nucleus (top-p),
+drawn with `jax.random`: row b draws step n from fold_in(fold_in(key(seed), b), n), so the same seed
+gives the same ids and a row's draws do not depend on the others.
+
+Two decode loops, the same sampler: `loop="host"` dispatches one decode per token from Python (and can
+stream each id); `loop="device"` runs `lax.while_loop` over decode steps on the device, `block` tokens a
+call with no host round trip in between (gemma's sampler loop), with per-row stop tokens and lengths.
 
 A stop token ends generation and is not part of the output, so an output shorter than
 max_new_tokens means a stop token was drawn.
@@ -11,6 +16,8 @@ max_new_tokens means a stop token was drawn.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -19,13 +26,15 @@ import numpy as np
 
 from dsv41 import model as model_lib
 from dsv41.cache import init_cache
+from dsv41.errors import ConfigError
 from dsv41.plan import layer_plan
-from dsv41.steps import decode, prefill
+from dsv41.steps import prefill, step_body
 
 
 def generate(params, cfg, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-             stop_tokens=(), seed: int = 0, chunk: int = 512, vocab_limit: int | None = None, token_map=None,
-             on_token=None, on_prefill_progress=None, prefix_cache=None) -> list[int]:
+             top_k: int = 0, stop_tokens=(), seed: int = 0, chunk: int = 512, vocab_limit: int | None = None,
+             token_map=None, on_token=None, on_prefill_progress=None, prefix_cache=None, loop: str = "host",
+             block: int = 32) -> list[int]:
     """The ids generated after `prompt_ids` (a list of ints), at most max_new_tokens of them.
 
     vocab_limit: draw only ids below it (a tokenizer smaller than the embedding, whose padding rows an
@@ -33,31 +42,39 @@ def generate(params, cfg, prompt_ids, *, max_new_tokens: int, temperature: float
     on_token(id) is called as each id is drawn (not for a stop token); on_prefill_progress(done, total)
     after each prefill chunk, in prompt tokens. prefix_cache: a `dsv41.prefix_cache.PrefixCache` of these
     params and config: the prompt's cached prefix is restored and its new blocks are saved (DESIGN §7).
+    top_k: keep the k most likely ids before the nucleus (0: all). loop: "host" or "device" (module doc);
+    block: tokens per device-loop call (on_token is then called a block at a time).
     """
     emit = None if on_token is None else (lambda row, token: on_token(token))
     return _generate(params, cfg, [prompt_ids], max_new_tokens=max_new_tokens, temperature=temperature,
-                     top_p=top_p, stop_tokens=stop_tokens, seed=seed, chunk=chunk, vocab_limit=vocab_limit,
-                     token_map=token_map, on_token=emit, on_prefill_progress=on_prefill_progress,
-                     prefix_cache=prefix_cache)[0]
+                     top_p=top_p, top_k=top_k, stop_tokens=stop_tokens, seed=seed, chunk=chunk,
+                     vocab_limit=vocab_limit, token_map=token_map, on_token=emit,
+                     on_prefill_progress=on_prefill_progress, prefix_cache=prefix_cache, loop=loop, block=block)[0]
 
 
 def generate_batch(params, cfg, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                   stop_tokens=(), seed: int = 0, chunk: int = 512, vocab_limit: int | None = None,
-                   token_map=None, on_prefill_progress=None, prefix_cache=None) -> list[list[int]]:
+                   top_k: int = 0, stop_tokens=(), seed: int = 0, chunk: int = 512, vocab_limit: int | None = None,
+                   token_map=None, on_prefill_progress=None, prefix_cache=None, loop: str = "host",
+                   block: int = 32) -> list[list[int]]:
     """`generate` for several prompts (lists of ids, any lengths) in one batch: a list of outputs.
 
-    Each row stops on its own; finished rows keep stepping (on a dummy token) until all are done.
+    Each row stops on its own; a finished row brings no more tokens to the steps (length 0).
     """
     return _generate(params, cfg, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                     stop_tokens=stop_tokens, seed=seed, chunk=chunk, vocab_limit=vocab_limit, token_map=token_map,
-                     on_token=None, on_prefill_progress=on_prefill_progress, prefix_cache=prefix_cache)
+                     top_k=top_k, stop_tokens=stop_tokens, seed=seed, chunk=chunk, vocab_limit=vocab_limit,
+                     token_map=token_map, on_token=None, on_prefill_progress=on_prefill_progress,
+                     prefix_cache=prefix_cache, loop=loop, block=block)
 
 
-def _generate(params, cfg, prompts, *, max_new_tokens, temperature, top_p, stop_tokens, seed, chunk, vocab_limit,
-              token_map, on_token, on_prefill_progress, prefix_cache=None):
+def _generate(params, cfg, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_tokens, seed, chunk,
+              vocab_limit, token_map, on_token, on_prefill_progress, prefix_cache=None, loop="host", block=32):
     prompts = [list(p) for p in prompts]
     stop = set(check_request(cfg, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                             stop_tokens=stop_tokens, chunk=chunk, vocab_limit=vocab_limit))
+                             stop_tokens=stop_tokens, chunk=chunk, vocab_limit=vocab_limit, top_k=top_k))
+    if loop not in ("host", "device"):
+        raise ValueError(f"loop: {loop!r}: expected 'host' or 'device'")
+    if loop == "device":
+        check_device_loop(cfg, block)
     max_len = cache_length(cfg, max(map(len, prompts)) + max_new_tokens)
     if prefix_cache is not None:
         if prefix_cache.params is not params or model_lib.config_key(prefix_cache.cfg) != model_lib.config_key(cfg):
@@ -70,16 +87,16 @@ def _generate(params, cfg, prompts, *, max_new_tokens, temperature, top_p, stop_
         cache = init_cache(cfg, len(prompts), max_len)
         logits_BV, cache = prefill_chunked(params, cfg, cache, prompts, chunk=chunk, token_map=token_map,
                                            on_progress=on_prefill_progress)
-    key = jax.random.key(seed)
+    b = len(prompts)
+    vocab = cfg.architecture.vocab_size if vocab_limit is None else vocab_limit
+    rows = Sampling.of(b, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, vocab_limit=vocab,
+                       max_new_tokens=max_new_tokens, stop_tokens=sorted(stop))
+    if loop == "device":
+        return _device_loop(params, cfg, cache, logits_BV, rows, block, on_token)
     outputs = [[] for _ in prompts]
     done = np.zeros(len(prompts), bool)
     for step in range(max_new_tokens):
-        if vocab_limit is not None:
-            logits_BV = logits_BV[:, :vocab_limit]
-        if temperature == 0:
-            tokens = np.asarray(jnp.argmax(logits_BV, axis=-1))
-        else:
-            tokens = np.asarray(sample(logits_BV, jax.random.fold_in(key, step), temperature, top_p))
+        tokens = np.asarray(sample_rows(logits_BV, rows, jnp.full((b,), step, jnp.int32)))
         for row, token in enumerate(tokens.tolist()):
             if done[row]:
                 continue
@@ -91,26 +108,137 @@ def _generate(params, cfg, prompts, *, max_new_tokens, temperature, top_p, stop_
                 on_token(row, token)
         if done.all() or step == max_new_tokens - 1:
             break
-        logits_BV, cache = decode(params, cfg, cache, np.where(done, 0, tokens), token_map=token_map)
+        logits_BV, cache = prefill(params, cfg, cache, np.where(done, 0, tokens)[:, None], (~done).astype(np.int32),
+                                   token_map=token_map)
     return outputs
 
 
-@jax.jit
-def sample(logits_BV, key, temperature, top_p):
-    """Token ids [B] drawn from softmax(logits / temperature) kept to its nucleus and renormalised.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Sampling:
+    """Per-row sampling state of the decode loops (arrays [B]; stop_tokens [B, K] padded with -1)."""
 
-    The nucleus is the smallest set of most likely ids whose probabilities sum to at least top_p
-    (the most likely id is always in it; top_p = 1 keeps every id). Ties are broken towards the lower
-    id, as argmax does, so a tiny top_p is greedy.
-    """
-    logits_BV = logits_BV.astype(jnp.float32) / temperature
-    order_BV = jnp.argsort(-logits_BV, axis=-1, stable=True)
-    sorted_BV = jnp.take_along_axis(logits_BV, order_BV, axis=-1)
+    keys: jax.Array            # PRNG key per row: fold_in(key(seed), row)
+    temperature: jax.Array     # float32; 0 = greedy
+    top_k: jax.Array           # int32; 0 = every id
+    top_p: jax.Array           # float32 in (0, 1]
+    vocab_limit: jax.Array     # int32: draw only ids below it
+    max_new_tokens: jax.Array  # int32
+    stop_tokens: jax.Array     # int32 [B, K]
+
+    @classmethod
+    def of(cls, batch: int, *, temperature=0.0, top_k=0, top_p=1.0, seed=0, vocab_limit, max_new_tokens,
+           stop_tokens=()):
+        """Every row alike, or per row where an argument is a list of B values (stop_tokens: of B lists)."""
+        per_row = lambda v, dtype: jnp.asarray(np.broadcast_to(np.asarray(v, dtype), (batch,)))
+        stops = stop_tokens if stop_tokens and isinstance(stop_tokens[0], (list, tuple)) else [stop_tokens] * batch
+        width = max(1, max(map(len, stops)))
+        stop = np.full((batch, width), -1, np.int32)
+        for row, ids in enumerate(stops):
+            stop[row, :len(ids)] = ids
+        seeds = np.broadcast_to(np.asarray(seed, np.uint32), (batch,))
+        keys = jax.vmap(lambda s, r: jax.random.fold_in(jax.random.key(s), r))(jnp.asarray(seeds), jnp.arange(batch))
+        return cls(keys, per_row(temperature, np.float32), per_row(top_k, np.int32), per_row(top_p, np.float32),
+                   per_row(vocab_limit, np.int32), per_row(max_new_tokens, np.int32), jnp.asarray(stop))
+
+
+@jax.jit
+def sample_rows(logits_BV, rows: Sampling, step_B):
+    """Token ids [B]: row b greedy (the lowest id of the largest logit) where its temperature is 0, else
+    drawn with key fold_in(rows.keys[b], step_B[b]) from softmax(logits / temperature) kept to the top_k
+    most likely ids (0: all), then to the nucleus — the smallest set of most likely ids whose renormalised
+    probabilities sum to at least top_p (the most likely id is always in it) — and renormalised. Only ids
+    below the row's vocab_limit are drawn. Ties are broken towards the lower id, as argmax does, so a tiny
+    top_p or top_k = 1 is greedy."""
+    v = logits_BV.shape[-1]
+    logits_BV = jnp.where(jnp.arange(v) < rows.vocab_limit[:, None], logits_BV.astype(jnp.float32), -jnp.inf)
+    greedy_B = jnp.argmax(logits_BV, axis=-1)
+    t_B = jnp.where(rows.temperature > 0, rows.temperature, 1.0)
+    scaled_BV = logits_BV / t_B[:, None]
+    order_BV = jnp.argsort(-scaled_BV, axis=-1, stable=True)
+    sorted_BV = jnp.take_along_axis(scaled_BV, order_BV, axis=-1)
+    rank = jnp.arange(v)
+    sorted_BV = jnp.where((rows.top_k[:, None] <= 0) | (rank < rows.top_k[:, None]), sorted_BV, -jnp.inf)
     probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
     mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
-    keep_BV = (mass_before_BV < top_p) | (top_p >= 1.0)
-    pick_B = jax.random.categorical(key, jnp.where(keep_BV, sorted_BV, -jnp.inf), axis=-1)
-    return jnp.take_along_axis(order_BV, pick_B[:, None], axis=-1)[:, 0]
+    keep_BV = (mass_before_BV < rows.top_p[:, None]) | (rows.top_p[:, None] >= 1.0)
+    keys = jax.vmap(jax.random.fold_in)(rows.keys, step_B)
+    pick_B = jax.vmap(jax.random.categorical)(keys, jnp.where(keep_BV, sorted_BV, -jnp.inf))
+    drawn_B = jnp.take_along_axis(order_BV, pick_B[:, None], axis=-1)[:, 0]
+    return jnp.where(rows.temperature > 0, drawn_B, greedy_B).astype(jnp.int32)
+
+
+def sample(logits_BV, key, temperature, top_p, top_k: int = 0):
+    """`sample_rows` with one setting for every row and row b's key fold_in(key, b): token ids [B]."""
+    b, v = logits_BV.shape
+    rows = Sampling(jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(b)), jnp.full((b,), temperature),
+                    jnp.full((b,), top_k, jnp.int32), jnp.full((b,), top_p), jnp.full((b,), v, jnp.int32),
+                    jnp.zeros((b,), jnp.int32), jnp.full((b, 1), -1, jnp.int32))
+    return sample_rows(logits_BV, rows, jnp.zeros((b,), jnp.int32))
+
+
+def check_device_loop(cfg, block) -> None:
+    """Raises for what the on-device loop cannot run: Engram configs hash their n-grams on the host in
+    int64 (DESIGN §3.7), so each of their steps needs the host."""
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ValueError(f"block: {block!r}: expected a positive integer (tokens per device-loop call)")
+    if list(cfg.architecture.engram.layers):
+        raise ConfigError("architecture.engram.layers", list(cfg.architecture.engram.layers),
+                          "expected no Engram layers for loop='device': their hash ids are computed on the host "
+                          "each step (use loop='host')")
+
+
+def _device_loop(params, cfg, cache, logits_BV, rows: Sampling, block: int, on_token):
+    """Blocks of `block` tokens from `_sample_block` until every row is done; the host reads each block."""
+    b = logits_BV.shape[0]
+    outputs = [[] for _ in range(b)]
+    generated, done = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
+    key = model_lib.config_key(cfg)
+    while True:
+        tokens_BN, cache, logits_BV, generated, done = _sample_block(key, None, block, params, cache, logits_BV,
+                                                                      rows, generated, done)
+        tokens_BN = np.asarray(tokens_BN)
+        for row in range(b):
+            for token in tokens_BN[row][tokens_BN[row] >= 0].tolist():
+                outputs[row].append(token)
+                if on_token is not None:
+                    on_token(row, token)
+        if bool(np.asarray(done).all()):
+            return outputs
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def _sample_block(key: str, lowering, block: int, params, cache, logits_BV, rows: Sampling, generated_B, done_B):
+    """Up to `block` decode steps in one `lax.while_loop`: each samples every row's next id, records it
+    (tokens [B, block], -1 where a row emitted nothing), ends rows on a stop token or at max_new_tokens
+    and, while some row goes on, runs the decode step with the live rows' ids (done rows bring length 0).
+    Returns (tokens, cache, logits at the last step, generated counts, done)."""
+    def cond(carry):
+        i, _, _, _, done, _ = carry
+        return (i < block) & ~jnp.all(done)
+
+    def body(carry):
+        i, cache, logits, generated, done, out = carry
+        token = sample_rows(logits, rows, generated)
+        stop = jnp.any(token[:, None] == rows.stop_tokens, axis=-1)
+        emit = ~done & ~stop
+        out = out.at[:, i].set(jnp.where(emit, token, -1))
+        generated = generated + emit.astype(jnp.int32)
+        done = done | stop | (generated >= rows.max_new_tokens)
+
+        def advance(state):
+            cache, logits = state
+            live = (~done).astype(jnp.int32)
+            logits, cache = step_body(key, lowering, params, cache, jnp.where(done, 0, token)[:, None], live, None)
+            return cache, logits
+
+        cache, logits = jax.lax.cond(jnp.all(done), lambda state: state, advance, (cache, logits))
+        return i + 1, cache, logits, generated, done, out
+
+    out = jnp.full((done_B.shape[0], block), -1, jnp.int32)
+    _, cache, logits_BV, generated_B, done_B, out = jax.lax.while_loop(
+        cond, body, (jnp.int32(0), cache, logits_BV, generated_B, done_B, out))
+    return out, cache, logits_BV, generated_B, done_B
 
 
 def prefill_chunked(params, cfg, cache, prompts, *, chunk: int = 512, token_map=None, on_progress=None):
@@ -146,7 +274,7 @@ def cache_length(cfg, tokens: int) -> int:
 
 
 def check_request(cfg, prompts, *, max_new_tokens, temperature, top_p, stop_tokens, chunk,
-                  vocab_limit=None) -> list[int]:
+                  vocab_limit=None, top_k=0) -> list[int]:
     """Raises ValueError (naming the argument, the value and what was expected) for a request the model
     cannot serve; returns the stop tokens as a list of ints."""
     vocab = cfg.architecture.vocab_size
@@ -165,6 +293,8 @@ def check_request(cfg, prompts, *, max_new_tokens, temperature, top_p, stop_toke
         raise ValueError(f"temperature: {temperature!r}: expected >= 0 (0 is greedy)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p: {top_p!r}: expected a value in (0, 1]")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k: {top_k!r}: expected an integer >= 0 (0 keeps every id)")
     if vocab_limit is not None and not (isinstance(vocab_limit, int) and 0 < vocab_limit <= vocab):
         raise ValueError(f"vocab_limit: {vocab_limit!r}: expected None or an integer in 1..{vocab} (vocab_size)")
     stop = list(stop_tokens)

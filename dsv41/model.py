@@ -28,23 +28,36 @@ def config_key(cfg) -> str:
 
 
 @functools.lru_cache(maxsize=32)
-def _config(key: str):
+def config_from_key(key: str):
+    """The config a `config_key` was made from (built once per key)."""
     return config_lib.build(json.loads(key))
 
 
-def build_model(cfg, rngs: nnx.Rngs) -> Transformer:
-    """The NNX module tree of a config with freshly initialised parameters."""
+@functools.lru_cache(maxsize=32)
+def _engram_layout(key: str) -> engram_hash.EngramLayout:
+    return engram_hash.EngramLayout.from_config(config_from_key(key))
+
+
+def engram_layout(cfg) -> engram_hash.EngramLayout:
+    """The Engram hash layout of a config (its prime search runs once per config)."""
+    return _engram_layout(config_key(cfg))
+
+
+def build_model(cfg, rngs: nnx.Rngs, lowering: policy_lib.Lowering | None = None) -> Transformer:
+    """The NNX module tree of a config with freshly initialised parameters (lowering: how it is traced)."""
     rows = {}
     if list(cfg.architecture.engram.layers):
-        layout = engram_hash.EngramLayout.from_config(cfg)
+        layout = engram_layout(cfg)
         rows = dict(zip(layout.layer_ids, layout.rows_per_layer))
-    return Transformer(cfg, rows, policy=policy_lib.from_config(cfg), rngs=rngs)
+    return Transformer(cfg, rows, policy=policy_lib.from_config(cfg, lowering), rngs=rngs)
 
 
-@functools.lru_cache(maxsize=32)
-def _graphdef(key: str):
-    cfg = _config(key)
-    return nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0))))
+@functools.lru_cache(maxsize=64)
+def graphdef(key: str, lowering: policy_lib.Lowering | None = None):
+    """The module structure of the config of `key` (a `config_key`), traced as `lowering` says: merged with
+    parameters inside the jitted functions, so the key and the lowering are their static arguments."""
+    cfg = config_from_key(key)
+    return nnx.graphdef(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0), lowering)))
 
 
 def init_params(cfg, key: jax.Array) -> nnx.State:
@@ -72,14 +85,13 @@ def engram_ids(cfg, tokens, token_map=None) -> np.ndarray | None:
                               f"expected a token map (raw id -> compressed id) or vocab_size ({a.vocab_size}) "
                               "when no tokenizer defines the compressed vocabulary")
         token_map, _ = engram_hash.identity_token_map(a.vocab_size)
-    layout = engram_hash.EngramLayout.from_config(cfg)
-    return engram_hash.hash_ids(layout, token_map, e.pad_id, np.asarray(tokens))
+    return engram_hash.hash_ids(engram_layout(cfg), token_map, e.pad_id, np.asarray(tokens))
 
 
 def forward(params: nnx.State, cfg, tokens, *, engram_ids_BSLC=None, token_map=None) -> jax.Array:
     """Teacher-forced logits [B, S, V] (fp32) of whole sequences `tokens` [B, S] starting at position 0."""
     tokens, positions, ids = _inputs(cfg, tokens, engram_ids_BSLC, token_map)
-    return _forward(config_key(cfg), params, tokens, positions, ids)
+    return _forward(config_key(cfg), None, params, tokens, positions, ids)
 
 
 def _inputs(cfg, tokens, engram_ids_BSLC, token_map):
@@ -102,11 +114,15 @@ def forward_with_intermediates(params: nnx.State, cfg, tokens, *, engram_ids_BSL
     the collapsed attention input, the indexer picks, the candidate-pool blocks and the routed experts
     (an `nnx.State` of `nnx.Intermediate` values keyed like the parameters)."""
     tokens, positions, ids = _inputs(cfg, tokens, engram_ids_BSLC, token_map)
-    return _forward(config_key(cfg), params, tokens, positions, ids, True)
+    return _forward(config_key(cfg), None, params, tokens, positions, ids, True)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
-def _forward(key, params, tokens_BS, positions_BS, engram_ids_BSLC, intermediates=False):
-    model = nnx.merge(_graphdef(key), params)
+def forward_body(key: str, lowering, params, tokens_BS, positions_BS, engram_ids_BSLC, intermediates: bool = False):
+    """The traced body of `forward` (jit it with key, lowering and intermediates static; `dsv41.sharding`
+    jits it with shardings): logits [B, S, V], and the recorded intermediates when asked."""
+    model = nnx.merge(graphdef(key, lowering), params)
     logits, recorded = nnx.capture(model, nnx.Intermediate)(tokens_BS, positions_BS, engram_ids_BSLC)
     return (logits, recorded) if intermediates else logits
+
+
+_forward = jax.jit(forward_body, static_argnums=(0, 1, 6))

@@ -14,9 +14,9 @@ Presets:
 - `train`: FSDP over data × expert (weights split on their model width), experts over `expert`,
   heads and intermediate widths over `tensor`.
 
-The sharded steps are jax.jit of the same bodies as `dsv41.model` / `dsv41.steps` (their un-jitted
-functions, `__wrapped__`) with explicit in/out shardings and the cache donated, traced with the MoE layers
-expert-parallel (`dsv41.nn.moe.expert_parallel`, layout from the rules: `expert_layout`).
+The sharded steps are jax.jit of the same bodies as `dsv41.model` / `dsv41.steps` (`forward_body`,
+`step_body`) with explicit in/out shardings and the cache donated, traced with the MoE layers
+expert-parallel (the model built with the rules' `expert_layout`, `lowering_for`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from dsv41 import model as model_lib
 from dsv41 import steps as steps_lib
-from dsv41.cache import Cache, CompressedKV, abstract_cache
+from dsv41.cache import Cache, CompressedKV, abstract_cache, host_view, with_mirror
 from dsv41.errors import ConfigError
 from dsv41.nn import moe as moe_lib
+from dsv41.nn import policy as policy_lib
+from dsv41.nn.policy import Lowering
 from dsv41.plan import layer_plan
 
 MESH_AXES = ("data", "expert", "tensor")
@@ -209,15 +211,12 @@ def expert_layout(cfg, mesh: Mesh, rules="serve") -> moe_lib.ExpertLayout:
     return moe_lib.ExpertLayout(mesh, tokens, names(spec[0]), names(spec[2]))
 
 
-def _expert_parallel(fn, cfg, mesh: Mesh, rules):
-    """fn, traced with the MoE layers expert-parallel as the rules lay the experts out on the mesh."""
-    layout = expert_layout(cfg, mesh, rules)
-
-    def traced(*args):
-        with moe_lib.expert_parallel(layout):
-            return fn(*args)
-
-    return traced
+def lowering_for(cfg, mesh: Mesh, rules, *, flop_counting: bool = False) -> Lowering:
+    """How the steps are traced on `mesh`: the routed experts expert-parallel as the rules lay them out (and
+    the Pallas kernels per device); flop_counting: experts per pick and the indexer's head loop unrolled, as
+    `policy.FLOP_COUNTING` (what XLA's cost analysis counts as computed)."""
+    base = policy_lib.FLOP_COUNTING if flop_counting else Lowering()
+    return dataclasses.replace(base, layout=expert_layout(cfg, mesh, rules))
 
 
 def put(x, sharding: NamedSharding):
@@ -251,7 +250,7 @@ def _rules_key(rules) -> tuple:
 @functools.lru_cache(maxsize=32)
 def _jitted(kind: str, key: str, mesh: Mesh, rules_key: tuple, shapes: tuple):
     """The jitted sharded function of one kind, config, mesh and rules (shapes: the batch inputs' shapes)."""
-    cfg, rules = model_lib._config(key), dict(rules_key)
+    cfg, rules = model_lib.config_from_key(key), dict(rules_key)
     ps = param_shardings(cfg, mesh, rules)
     rep = NamedSharding(mesh, P())
     if kind == "init":
@@ -260,7 +259,7 @@ def _jitted(kind: str, key: str, mesh: Mesh, rules_key: tuple, shapes: tuple):
     tok = batch_sharding(mesh, rules, tokens_shape, "tokens")
     ids = None if ids_shape is None else batch_sharding(mesh, rules, ids_shape, "engram_ids")
     if kind in ("forward", "grad"):
-        body = _expert_parallel(functools.partial(model_lib._forward.__wrapped__, key), cfg, mesh, rules)
+        body = functools.partial(model_lib.forward_body, key, lowering_for(cfg, mesh, rules))
         logits = NamedSharding(mesh, logical_spec(("batch", None, "vocab"), (*tokens_shape, cfg.architecture.vocab_size),
                                                   mesh, rules, what="logits"))
         if kind == "forward":
@@ -275,8 +274,8 @@ def _jitted(kind: str, key: str, mesh: Mesh, rules_key: tuple, shapes: tuple):
 
 
 def step_function(cfg, mesh: Mesh, rules="serve", *, tokens_shape, ids_shape=None, max_len: int,
-                  params_shardings=None, engram_host: bool = False):
-    """The jitted sharded body of `dsv41.steps._step` (prefill chunk / decode step):
+                  params_shardings=None, engram_host: bool = False, flop_counting: bool = False):
+    """The jitted sharded `dsv41.steps.step_body` (prefill chunk / decode step):
     (params, cache, tokens [B, S], counts [B], engram ids [B, S, L, C] | None) -> (logits [B, V], cache),
     the cache donated and returned in its rule shardings. params_shardings overrides the rules' (e.g.
     Engram tables in host memory: then engram_host=True gathers their rows on the host, see
@@ -290,7 +289,7 @@ def step_function(cfg, mesh: Mesh, rules="serve", *, tokens_shape, ids_shape=Non
     rows = batch_sharding(mesh, rules, (b,), "lengths")
     logits = NamedSharding(mesh, logical_spec(("batch", "vocab"), (b, cfg.architecture.vocab_size), mesh, rules,
                                               what="logits"))
-    step = _expert_parallel(functools.partial(steps_lib._step.__wrapped__, key), cfg, mesh, rules)
+    step = functools.partial(steps_lib.step_body, key, lowering_for(cfg, mesh, rules, flop_counting=flop_counting))
 
     def body(params, cache, tokens_BS, counts_B, ids_BSLC):
         if engram_host and ids_BSLC is not None:
@@ -386,13 +385,13 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, mesh: Mesh, rule
     if cfg.runtime.prefill_schedule != "full":
         raise ConfigError("runtime.prefill_schedule", cfg.runtime.prefill_schedule,
                           "expected 'full' for the sharded steps (the CED schedule is not wrapped yet)")
-    held = to_host(cache.lengths)
+    view = host_view(cache, read=to_host)
+    held = view.lengths
     cap = steps_lib.capacity(cfg, cache)
     tokens, counts = steps_lib.check_tokens(cfg, tokens, lengths, held, cap)
     tokens = tokens.astype(np.int32)
     b = tokens.shape[0]
-    host_view = dataclasses.replace(cache, recent_tokens=to_host(cache.recent_tokens))
-    ids, recent = steps_lib._engram(cfg, host_view, tokens, counts, held, token_map)
+    ids, recent = steps_lib.engram_inputs(cfg, view.recent_tokens, tokens, counts, held, token_map)
     ids = None if ids is None else np.asarray(ids)
     rules_key = _rules_key(rules)
     step = _jitted("step", model_lib.config_key(cfg), mesh, rules_key, (tokens.shape, None if ids is None else ids.shape,
@@ -400,9 +399,9 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, mesh: Mesh, rule
     tok = batch_sharding(mesh, rules, tokens.shape, "tokens")
     logits, cache = step(params, cache, put(tokens, tok), put(counts, batch_sharding(mesh, rules, (b,), "lengths")),
                          None if ids is None else put(ids, batch_sharding(mesh, rules, ids.shape, "engram_ids")))
-    if recent is not None:
+    if ids is not None:
         cache = dataclasses.replace(cache, recent_tokens=put(recent.astype(np.int32), cache.recent_tokens.sharding))
-    return logits, cache
+    return logits, with_mirror(cache, held + counts, recent)
 
 
 def decode(params, cfg, cache: Cache, next_tokens, *, mesh: Mesh, rules="serve", token_map=None):

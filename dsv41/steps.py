@@ -19,7 +19,7 @@ from flax import nnx
 
 from dsv41 import engram_hash, schema
 from dsv41 import model as model_lib
-from dsv41.cache import Cache, full_layers
+from dsv41.cache import Cache, full_layers, host_view, with_mirror
 from dsv41.errors import ConfigError
 from dsv41.plan import layer_plan
 from dsv41.nn import mhc
@@ -40,22 +40,24 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, 
     through the decoder, their windows truncated to the replayed span, and give the logits (on other
     chunks the returned logits are None).
     """
-    held = np.asarray(cache.lengths)
+    view = host_view(cache)
+    held = view.lengths
     tokens, counts = check_tokens(cfg, tokens, lengths, held, capacity(cfg, cache))
     s = tokens.shape[1]
-    ids, recent = _engram(cfg, cache, tokens, counts, held, token_map)
+    ids, recent = engram_inputs(cfg, view.recent_tokens, tokens, counts, held, token_map)
     key = model_lib.config_key(cfg)
     if cfg.runtime.prefill_schedule == "ced" and cfg.architecture.family != schema.V41:
         raise ConfigError("runtime.prefill_schedule", "ced", f"expected 'full' for the {cfg.architecture.family!r} "
                           "family: CED needs V4.1's encoder and decoder stages")
     if cfg.runtime.prefill_schedule == "ced" and s > 1:
         replay = min(cfg.swa_bounded_replay.decoder_replay_tokens, s) if final else 0
-        logits, cache = _ced(key, params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(counts), ids, replay)
+        logits, cache = _ced(key, None, params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(counts), ids,
+                             replay)
     else:
-        logits, cache = _step(key, params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(counts), ids)
-    if recent is not None:
+        logits, cache = _step(key, None, params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(counts), ids)
+    if ids is not None:
         cache = dataclasses.replace(cache, recent_tokens=jnp.asarray(recent, jnp.int32))
-    return logits, cache
+    return logits, with_mirror(cache, held + counts, recent)
 
 
 def check_tokens(cfg, tokens, lengths, held_B, cap: int):
@@ -97,19 +99,35 @@ def replay(params, cfg, cache: Cache, tokens_BR, counts_B, *, decoder_tokens: in
     replayed span. The Full layers read the restored entries and never rewrite them; lengths and global KV
     are unchanged. engram_ids_BRLC: the replayed tokens' Engram ids (their n-grams reach before the span).
     """
-    return _replay(model_lib.config_key(cfg), params, cache, jnp.asarray(tokens_BR, jnp.int32),
-                   jnp.asarray(counts_B, jnp.int32), engram_ids_BRLC, int(decoder_tokens))
+    view = host_view(cache)
+    out = _replay(model_lib.config_key(cfg), None, params, cache, jnp.asarray(tokens_BR, jnp.int32),
+                  jnp.asarray(counts_B, jnp.int32), engram_ids_BRLC, int(decoder_tokens))
+    return with_mirror(out, view.lengths, view.recent_tokens)
 
 
-def _engram(cfg, cache, tokens, counts, held, token_map):
+def lower(params, cfg, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC=None, *, replay: int | None = None,
+          lowering=None):
+    """The lowered prefill/decode step (`jax.stages.Lowered`: `.compile()`, `.cost_analysis()`) for these
+    arguments (arrays or `jax.ShapeDtypeStruct`s): every layer over the tokens (the `full` schedule and
+    decode), or with `replay` the CED schedule replaying that many tokens through the decoder."""
+    key = model_lib.config_key(cfg)
+    if replay is None:
+        return _step.lower(key, lowering, params, cache, tokens_BS, counts_B, engram_ids_BSLC)
+    return _ced.lower(key, lowering, params, cache, tokens_BS, counts_B, engram_ids_BSLC, replay)
+
+
+def engram_inputs(cfg, recent_BL, tokens, counts, held, token_map=None):
+    """Host-side Engram inputs of a step: (hash ids [B, S, L_engram, C] int32 on device, the new look-back
+    [B, max_ngram-1]) for tokens [B, S] (row b: its first counts[b]) after held[b] tokens whose last ones are
+    recent_BL (-1 before the start). A config without Engram layers gives (None, recent_BL)."""
     e = cfg.architecture.engram
     if not list(e.layers):
-        return None, None
+        return None, recent_BL
     if token_map is None:
         token_map, _ = engram_hash.identity_token_map(cfg.architecture.vocab_size)
-    layout = engram_hash.EngramLayout.from_config(cfg)
+    layout = model_lib.engram_layout(cfg)
     look = e.max_ngram - 1
-    recent = np.asarray(cache.recent_tokens)
+    recent = np.asarray(recent_BL)
     ids, new_recent = [], np.full_like(recent, -1)
     for row in range(tokens.shape[0]):
         h = min(look, int(held[row]))
@@ -167,11 +185,13 @@ def _state(cfg, cache):
         dict(zip(full_layers(cfg), cache.compressed))
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _step(key, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
-    """Every layer over the new tokens (the `full` schedule, and every decode step)."""
-    model = nnx.merge(model_lib._graphdef(key), params)
-    cfg = model_lib._config(key)
+def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
+    """The traced prefill/decode step: every layer over the new tokens (the `full` schedule, and every
+    decode step) -> (logits [B, V] fp32 at each row's last new token, cache). key: `model.config_key`;
+    lowering: `policy.Lowering` (how it is traced). Jit it with both static and the cache donated
+    (`dsv41.sharding.step_function` adds shardings)."""
+    model = nnx.merge(model_lib.graphdef(key, lowering), params)
+    cfg = model_lib.config_from_key(key)
 
     def run(model):
         s = tokens_BS.shape[1]
@@ -188,12 +208,15 @@ def _step(key, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
     return nnx.capture(run, nnx.Intermediate)(model)[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
-def _ced(key, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC, replay: int):
+_step = jax.jit(step_body, static_argnums=(0, 1), donate_argnums=3)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 7), donate_argnums=3)
+def _ced(key, lowering, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC, replay: int):
     """The CED schedule (DESIGN §3.5): encoder + the decoder source's KV for every token; then the last
     `replay` tokens of each row through the decoder, with windows truncated to the replayed span."""
-    model = nnx.merge(model_lib._graphdef(key), params)
-    cfg = model_lib._config(key)
+    model = nnx.merge(model_lib.graphdef(key, lowering), params)
+    cfg = model_lib.config_from_key(key)
     plan = layer_plan(cfg)
     encoder = [r.index for r in plan if r.stage == "encoder"]
     decoder = [r.index for r in plan if r.stage == "decoder"]
@@ -231,14 +254,14 @@ def _ced(key, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC, replay
     return nnx.capture(run, nnx.Intermediate)(model)[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=2)
-def _replay(key, params, cache: Cache, tokens_BR, counts_B, engram_ids_BRLC, dec: int):
+@functools.partial(jax.jit, static_argnums=(0, 1, 7), donate_argnums=3)
+def _replay(key, lowering, params, cache: Cache, tokens_BR, counts_B, engram_ids_BRLC, dec: int):
     """Each row's last counts[b] restored tokens (left-aligned in tokens_BR) through the encoder, and the
     last min(counts[b], dec) of them through the decoder; every window truncated to its replayed span
     (window_start = the span's first position). Full layers read the restored entries and never write
     them (entries_ready). Returns the cache with rebuilt rings; lengths and global KV unchanged."""
-    model = nnx.merge(model_lib._graphdef(key), params)
-    cfg = model_lib._config(key)
+    model = nnx.merge(model_lib.graphdef(key, lowering), params)
+    cfg = model_lib.config_from_key(key)
     plan = layer_plan(cfg)
     encoder = [r.index for r in plan if r.stage == "encoder"]
     decoder = [r.index for r in plan if r.stage == "decoder"]

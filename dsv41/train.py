@@ -304,7 +304,7 @@ def make_train_step(cfg, tc: TrainConfig):
     mean |load − mean load| / mean load over the MoE layers (`imbalance`, before this step's update).
     """
     key = model_lib.config_key(cfg)
-    graphdef = model_lib._graphdef(key)
+    graphdef = model_lib.graphdef(key)
     opt = optimizer(tc)
     lr = schedule(tc)
     use_kl = tc.indexer_kl_weight > 0 and cfg.architecture.family == schema.V41
@@ -385,7 +385,7 @@ def update_balance(buffers: nnx.State, load: dict[int, jax.Array], rate: float):
 
 @functools.lru_cache(maxsize=8)
 def _cached_step(key: str, tc: TrainConfig):
-    return make_train_step(model_lib._config(key), tc)
+    return make_train_step(model_lib.config_from_key(key), tc)
 
 
 def train_step_for(cfg, tc: TrainConfig):
@@ -400,7 +400,7 @@ def train_step_for(cfg, tc: TrainConfig):
 @functools.partial(jax.jit, static_argnums=0)
 def _score(key, params, buffers, inputs, targets, mask, engram_ids=None):
     """Per row: (every response token is the argmax, Σ response-token CE, response tokens)."""
-    model = nnx.merge(model_lib._graphdef(key), params, buffers)
+    model = nnx.merge(model_lib.graphdef(key), params, buffers)
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
     logits = model(inputs, positions, engram_ids).astype(jnp.float32)
     hit = (jnp.argmax(logits, -1) == targets) | (mask == 0)

@@ -22,12 +22,9 @@ MODES = ("auto", "pallas", "pallas_interpret", "reference")
 _KERNEL_BACKENDS = ("tpu", "gpu")
 
 
-def platform() -> str:
-    """The platform the step being traced is compiled for: the devices of its mesh (an ahead-of-time
-    compile for a TPU topology runs on a CPU machine), else JAX's default backend."""
-    from dsv41.nn import moe  # noqa: PLC0415 (dsv41.nn imports the kernels)
-
-    layout = moe.current_layout()
+def platform(layout=None) -> str:
+    """The platform a step is compiled for: the devices of its layout's mesh (`moe.ExpertLayout`; an
+    ahead-of-time compile for a TPU topology runs on a CPU machine), else JAX's default backend."""
     return layout.mesh.devices.flat[0].platform if layout is not None else jax.default_backend()
 
 
@@ -45,17 +42,14 @@ def resolve(mode: str, backend: str | None = None) -> str:
     return mode
 
 
-def _per_device(fn, *args, replicated: tuple[int, ...] = ()):
-    """fn(*args), run per device over the batch rows when the step is traced under a mesh.
+def _per_device(fn, *args, layout=None, replicated: tuple[int, ...] = ()):
+    """fn(*args), run per device over the batch rows when the step is built for a mesh.
 
-    XLA cannot partition a Pallas kernel, so on a multi-device mesh (the layout `dsv41.sharding` sets,
-    `moe.current_layout()`) the kernel runs inside `jax.shard_map`: every argument is split over the
-    layout's token axes on its leading (batch) axis, except those at the positions in `replicated` (a
+    XLA cannot partition a Pallas kernel, so on a multi-device mesh (the layout `dsv41.sharding` builds the
+    model with, `Policy.lowering.layout`) the kernel runs inside `jax.shard_map`: every argument is split over
+    the layout's token axes on its leading (batch) axis, except those at the positions in `replicated` (a
     per-head sink); non-array arguments (ratios, k) are closed over. The rows are independent, so this is
     the same computation."""
-    from dsv41.nn import moe  # noqa: PLC0415 (dsv41.nn imports the kernels)
-
-    layout = moe.current_layout()
     if layout is None or layout.mesh.size == 1 or not layout.token_axes:
         return fn(*args)
     axes = layout.token_axes
@@ -83,37 +77,39 @@ def _triton_can_take(h: int, k: int, block_keys: int) -> bool:
     return h >= 16 and pow2(h) and pow2(k) and pow2(block_keys)
 
 
-def _attention_reference(impl: str, q, block_keys: int) -> bool:
+def _attention_reference(impl: str, q, block_keys: int, layout) -> bool:
     """The reference runs when `impl` says so, or on GPU for a shape Triton cannot tile."""
     h, k = q.shape[-2:]
-    return impl == "reference" or (impl == "pallas" and platform() == "gpu"
+    return impl == "reference" or (impl == "pallas" and platform(layout) == "gpu"
                                    and not _triton_can_take(h, k, block_keys))
 
 
 def sparse_decode_attention(q_BHK, window_values_BWK, window_scales_BWX, window_ok_BW, entries_BNK2,
                             entry_scales_BNX, picks_Bk, sink_H, scale: float, *, mode: str = "auto",
-                            block_keys: int = 128):
+                            block_keys: int = 128, layout=None):
     """`sparse_attention.sparse_decode_attention` or its reference, as `mode` says (same arguments)."""
     args = (q_BHK, window_values_BWK, window_scales_BWX, window_ok_BW, entries_BNK2, entry_scales_BNX, picks_Bk,
             sink_H, scale)
-    impl = resolve(mode)
-    if _attention_reference(impl, q_BHK, block_keys):
+    impl = resolve(mode, platform(layout))
+    if _attention_reference(impl, q_BHK, block_keys, layout):
         return sparse_attention.sparse_decode_attention_reference(*args)
     return _per_device(lambda *a: sparse_attention.sparse_decode_attention(
-        *a, block_keys=block_keys, interpret=impl == "pallas_interpret", backend=platform()), *args, replicated=(7,))
+        *a, block_keys=block_keys, interpret=impl == "pallas_interpret", backend=platform(layout)), *args, layout=layout,
+        replicated=(7,))
 
 
 def sparse_attention_chunk(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2,
                            entry_scales_BNX, picks_BSk, sink_H, scale: float, *, mode: str = "auto",
-                           block_keys: int = 128):
+                           block_keys: int = 128, layout=None):
     """`sparse_attention.sparse_attention` (S queries a row) or its reference, as `mode` says."""
     args = (q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2, entry_scales_BNX, picks_BSk,
             sink_H, scale)
-    impl = resolve(mode)
-    if _attention_reference(impl, q_BSHK, block_keys):
+    impl = resolve(mode, platform(layout))
+    if _attention_reference(impl, q_BSHK, block_keys, layout):
         return sparse_attention.sparse_attention_reference(*args)
     return _per_device(lambda *a: sparse_attention.sparse_attention(
-        *a, block_keys=block_keys, interpret=impl == "pallas_interpret", backend=platform()), *args, replicated=(7,))
+        *a, block_keys=block_keys, interpret=impl == "pallas_interpret", backend=platform(layout)), *args, layout=layout,
+        replicated=(7,))
 
 
 def quantize_pack(x, fmt: str, *, mode: str = "auto"):
@@ -132,41 +128,44 @@ def unpack_dequantize(values, scales, fmt: str, *, mode: str = "auto"):
     return quant_pack.unpack_dequantize(values, scales, fmt, interpret=impl == "pallas_interpret")
 
 
-def _indexer_body() -> str:
+def _indexer_body(layout) -> str:
     """The indexer kernels' body: the backend's own, and the Mosaic (TPU) body in interpret mode on CPU."""
-    backend = platform()
+    backend = platform(layout)
     return backend if backend in _KERNEL_BACKENDS else "tpu"
 
 
 def indexer_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio: int, k: int, *,
-                  mode: str = "auto"):
+                  mode: str = "auto", layout=None):
     """An index source's top-k [B, S, k] over the packed key store (`indexer_scores.indexer_top_k`)."""
     args = (q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio, k)
-    impl = resolve(mode)
+    impl = resolve(mode, platform(layout))
     if impl == "reference":
         return indexer_scores.indexer_top_k_reference(*args)
-    return _per_device(lambda *a: indexer_scores.indexer_top_k(*a, backend=_indexer_body(),
-                                                               interpret=impl == "pallas_interpret"), *args)
+    return _per_device(lambda *a: indexer_scores.indexer_top_k(*a, backend=_indexer_body(layout),
+                                                               interpret=impl == "pallas_interpret"), *args,
+                       layout=layout)
 
 
 def scores_and_pool(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio: int, *, top_k: int,
-                    max_blocks: int, block: int, mode: str = "auto"):
+                    max_blocks: int, block: int, mode: str = "auto", layout=None):
     """The candidate source's (picks [B, S, top_k], pool block ids [B, S, max_blocks]) in one pass."""
     args = (q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio)
     kw = dict(top_k=top_k, max_blocks=max_blocks, block=block)
-    impl = resolve(mode)
+    impl = resolve(mode, platform(layout))
     if impl == "reference":
         return candidate_pool.scores_and_pool_reference(*args, **kw)
-    return _per_device(lambda *a: candidate_pool.scores_and_pool(*a, **kw, backend=_indexer_body(),
-                                                                 interpret=impl == "pallas_interpret"), *args)
+    return _per_device(lambda *a: candidate_pool.scores_and_pool(*a, **kw, backend=_indexer_body(layout),
+                                                                 interpret=impl == "pallas_interpret"), *args,
+                       layout=layout)
 
 
 def pool_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, block: int, positions_BS, ratio: int,
-               k: int, *, mode: str = "auto"):
+               k: int, *, mode: str = "auto", layout=None):
     """A Reindex layer's picks [B, S, k], scoring only the candidate pool's keys."""
     args = (q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, block, positions_BS, ratio, k)
-    impl = resolve(mode)
+    impl = resolve(mode, platform(layout))
     if impl == "reference":
         return candidate_pool.pool_top_k_reference(*args)
-    return _per_device(lambda *a: candidate_pool.pool_top_k(*a, backend=_indexer_body(),
-                                                            interpret=impl == "pallas_interpret"), *args)
+    return _per_device(lambda *a: candidate_pool.pool_top_k(*a, backend=_indexer_body(layout),
+                                                            interpret=impl == "pallas_interpret"), *args,
+                       layout=layout)

@@ -66,11 +66,10 @@ def deviation(new_tokens: int) -> dict:
 
 
 def chunk_flops(cfg, capacity: int, chunk: int, replay: int | None) -> float:
-    key = model.config_key(cfg)
     params = model.abstract_params(cfg)
     cache = jax.eval_shape(lambda: cache_lib.init_cache(cfg, 1, capacity))
-    args = (params, cache, jax.ShapeDtypeStruct((1, chunk), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32), None)
-    lowered = steps._step.lower(key, *args) if replay is None else steps._ced.lower(key, *args, replay)
+    lowered = steps.lower(params, cfg, cache, jax.ShapeDtypeStruct((1, chunk), jnp.int32),
+                          jax.ShapeDtypeStruct((1,), jnp.int32), replay=replay)
     cost = lowered.compile().cost_analysis()
     return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 

@@ -3,7 +3,7 @@
 The comparison runs in a subprocess with 8 simulated CPU devices (XLA_FLAGS must be set before JAX starts):
 one MoE layer of configs/tiny.json (8 experts, top-2, shared expert) on meshes that split the experts, their
 width, both or neither, under the serve and train rules, with token counts that do and do not divide the
-token shards (padding). The reference is the same layer traced without `expert_parallel`, on one device.
+token shards (padding). The reference is the same layer built without a layout (`Lowering.layout`), on one device.
 Tolerance: 1e-5 relative to each result's largest reference value (fp32 sums in another order; observed
 up to 1.4e-6 with the intermediate width split).
 """
@@ -23,18 +23,19 @@ CASES = [({"data": 8}, "serve", 0), ({"data": 2, "expert": 4}, "serve", 0),
          ({"data": 2, "expert": 4}, "serve", 6)]   # 6 experts: the expert axis does not divide them
 
 
-def _layer(experts: int = 0):
+def _layer(experts: int = 0, layout=None):
     import jax.numpy as jnp
     from flax import nnx
 
     import dsv41
     from dsv41.nn.moe import MoE
-    from dsv41.nn.policy import Policy
+    from dsv41.nn.policy import Lowering, Policy
     overrides = [f"architecture.moe.num_experts={experts}"] if experts else []
     cfg = dsv41.load_config("tiny", overrides)
     a, m = cfg.architecture, cfg.architecture.moe
     layer = MoE(a.hidden_size, m.num_experts, m.top_k, m.intermediate_size, m.num_shared_experts, m.route_scale,
-                m.swiglu_limit, policy=Policy(jnp.float32, jnp.float32), rngs=nnx.Rngs(0))
+                m.swiglu_limit, policy=Policy(jnp.float32, jnp.float32, lowering=Lowering(layout=layout)),
+                rngs=nnx.Rngs(0))
     return cfg, layer
 
 
@@ -58,20 +59,20 @@ def _checks() -> dict:
         graph, state = nnx.split(layer)
         mesh = sh.make_mesh(shape)
         layout = sh.expert_layout(cfg, mesh, rules)
+        par_graph = nnx.graphdef(_layer(experts, layout)[1])   # the same layer built expert-parallel
         for rows in (32, 21):   # 21 tokens: not a multiple of the token shards
             key = jax.random.key(rows)
             x = jax.random.normal(key, (1, rows, cfg.architecture.hidden_size), jnp.float32)
             probe = jax.random.normal(jax.random.fold_in(key, 1), x.shape, jnp.float32)
 
-            def loss(state, x):
+            def loss(state, x, graph=graph):
                 y = nnx.capture(nnx.merge(graph, state), nnx.Intermediate)(x)[0]
                 return jnp.sum(y * probe), y
 
             grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
 
             def parallel(state, x):
-                with moe_lib.expert_parallel(layout):
-                    return grad(state, x)
+                return grad(state, x, par_graph)
 
             if (experts, rows) not in refs:
                 refs[experts, rows] = jax.jit(grad)(state, x)
@@ -94,12 +95,11 @@ def _checks() -> dict:
             })
 
     # A hand-made layout whose expert axis does not divide the experts.
-    cfg, layer = _layer(6)
     mesh = sh.make_mesh({"data": 2, "expert": 4})
     bad = moe_lib.ExpertLayout(mesh, ("data", "expert"), ("expert",), ())
+    cfg, layer = _layer(6, bad)
     try:
-        with moe_lib.expert_parallel(bad):
-            nnx.capture(layer, nnx.Intermediate)(jnp.zeros((1, 8, cfg.architecture.hidden_size)))
+        nnx.capture(layer, nnx.Intermediate)(jnp.zeros((1, 8, cfg.architecture.hidden_size)))
         out["error"] = None
     except ConfigError as e:
         out["error"] = str(e)
@@ -161,16 +161,13 @@ def test_one_device_mesh_runs_the_single_device_code():
     import numpy as np
     from flax import nnx
     from dsv41 import sharding as sh
-    from dsv41.nn import moe as moe_lib
     cfg, layer = _layer()
     graph, state = nnx.split(layer)
     mesh = jax.make_mesh((1, 1, 1), sh.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    one = nnx.graphdef(_layer(0, sh.expert_layout(cfg, mesh, "serve"))[1])
     x = jax.random.normal(jax.random.key(0), (2, 5, cfg.architecture.hidden_size))
     plain = lambda x: nnx.capture(nnx.merge(graph, state), nnx.Intermediate)(x)[0]
-
-    def run(x):
-        with moe_lib.expert_parallel(sh.expert_layout(cfg, mesh, "serve")):
-            return plain(x)
+    run = lambda x: nnx.capture(nnx.merge(one, state), nnx.Intermediate)(x)[0]
 
     assert "shard_map" not in str(jax.make_jaxpr(run)(x))
     np.testing.assert_array_equal(np.asarray(jax.jit(run)(x)), np.asarray(jax.jit(plain)(x)))
@@ -182,14 +179,14 @@ if __name__ == "__main__":
 
 
 def test_per_pick_experts_equal_float64_numpy_and_ragged_dot():
-    """`per_pick_weights` (the FLOP-counting form) and the ragged_dot form both equal a float64 NumPy sum
+    """`Lowering.experts_per_pick` (the FLOP-counting form) and the ragged_dot form both equal a float64 NumPy sum
     over each token's picks; a pick naming an expert held elsewhere (id == G) contributes nothing."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from dsv41.nn import moe
-    from dsv41.nn.policy import Policy
+    from dsv41.nn.policy import FLOP_COUNTING, Policy
     rng = np.random.default_rng(0)
     n, k, g, d, i, limit = 7, 2, 4, 16, 8, 10.0
     x = rng.normal(size=(n, d)).astype(np.float32)
@@ -206,11 +203,11 @@ def test_per_pick_experts_equal_float64_numpy_and_ragged_dot():
             a, b = x[t].astype(np.float64) @ w1[e], x[t].astype(np.float64) @ w3[e]
             a, b = np.minimum(a, limit), np.clip(b, -limit, limit)
             want[t] += w[t, j] * ((a / (1 + np.exp(-a)) * b) @ w2[e])
-    run = lambda: np.asarray(moe.experts(jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx), w1, w3, w2, limit=limit,
-                                         policy=Policy(jnp.float32, jnp.float32)))
+    run = lambda lowering: np.asarray(moe.experts(jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx), w1, w3, w2,
+                                                  limit=limit, policy=Policy(jnp.float32, jnp.float32,
+                                                                             lowering=lowering)))
     with jax.default_matmul_precision("highest"):
-        ragged = run()
-        with moe.per_pick_weights():
-            per_pick = run()
+        ragged = run(Policy(jnp.float32, jnp.float32).lowering)
+        per_pick = run(FLOP_COUNTING)
     np.testing.assert_allclose(ragged, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(per_pick, want, rtol=1e-5, atol=1e-5)

@@ -22,8 +22,8 @@ def decode_flops(reindex_layers: int, context: int) -> float:
     cfg = dsv41.load_config("tiny", overrides=LONG + [f"csa2.decoder.groups={DECODER[reindex_layers]}"])
     params = model.abstract_params(cfg)
     cache = jax.eval_shape(lambda: cache_lib.init_cache(cfg, 1, context))
-    compiled = steps._step.lower(model.config_key(cfg), params, cache, jax.ShapeDtypeStruct((1, 1), jnp.int32),
-                                 jax.ShapeDtypeStruct((1,), jnp.int32), None).compile()
+    compiled = steps.lower(params, cfg, cache, jax.ShapeDtypeStruct((1, 1), jnp.int32),
+                           jax.ShapeDtypeStruct((1,), jnp.int32)).compile()
     cost = compiled.cost_analysis()
     return (cost[0] if isinstance(cost, list) else cost)["flops"]
 

@@ -1,8 +1,12 @@
 """The inference cache and the prefill / decode steps against the port's vectors and the accounting."""
 
+import contextlib
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.array import ArrayImpl
 
 import dsv41
 from dsv41 import cache as cache_lib
@@ -52,6 +56,41 @@ def test_decode_after_prefill_matches_the_port(port):
         errors.append(np.abs(np.asarray(logits)[0] - d["logits_decode"][k]).max())
     assert max(errors) < TOL, errors
     assert int(c.lengths[0]) == 203
+
+
+@contextlib.contextmanager
+def no_device_reads(monkeypatch):
+    """Every read of a device array's value on the host (np.asarray, int(), .tolist()) raises inside."""
+    def refuse(self):
+        raise AssertionError(f"a device -> host read of an array {self.shape} {self.dtype}")
+
+    with monkeypatch.context() as m:
+        m.setattr(ArrayImpl, "_value", property(refuse))
+        yield
+
+
+def test_the_guard_sees_a_device_read(monkeypatch):
+    x = jnp.arange(3)
+    with pytest.raises(AssertionError, match="device -> host read"), no_device_reads(monkeypatch):
+        np.asarray(x)
+
+
+def test_prefill_and_decode_never_read_the_device(port, monkeypatch):
+    """The host checks and the Engram look-back use the cache's host mirror (DESIGN §6): a chunked prefill and
+    decode steps (the port's Engram config) run with every device read refused, and still match the port."""
+    d, cfg, params, token_map = port
+    ids = d["input_ids"]
+    c = cache_lib.init_cache(cfg, 1, 256)
+    with no_device_reads(monkeypatch):
+        logits, c = steps.prefill(params, cfg, c, ids[:, :195], token_map=token_map)
+        decoded = []
+        for pos in d["decode_positions"]:
+            out, c = steps.decode(params, cfg, c, ids[:, pos], token_map=token_map)
+            decoded.append(out)
+    assert c.mirror.lengths.tolist() == [203] == np.asarray(c.lengths).tolist()
+    assert np.abs(np.asarray(decoded[-1])[0] - d["logits_decode"][-1]).max() < TOL
+    with pytest.raises(ValueError, match="exceed the cache's capacity"), no_device_reads(monkeypatch):
+        steps.prefill(params, cfg, c, np.zeros((1, 60), np.int32), token_map=token_map)
 
 
 @pytest.mark.slow

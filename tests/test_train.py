@@ -333,7 +333,7 @@ def test_indexer_kl_decreases_when_only_the_indexer_trains(cfg):
 def test_remat_gives_the_same_loss_and_gradients(cfg, remat):
     """Per-block checkpointing (its own layer loop) against the model's own __call__ (remat='none')."""
     params, buffers = train.split_variables(model_lib.init_params(cfg, jax.random.key(6)))
-    graphdef = model_lib._graphdef(model_lib.config_key(cfg))
+    graphdef = model_lib.graphdef(model_lib.config_key(cfg))
     batch = next(passkey(11))
     positions = jnp.broadcast_to(jnp.arange(SEQ), (BATCH, SEQ))
 

@@ -134,13 +134,14 @@ def compress_step(comp, x_BSD, lengths_B, counts_B, leftover_BRC):
     return latent, entry, done, jnp.where(keep, fetch(pos), 0.0)
 
 
-def pool_gather_scores(q_BSJd, w_BSJ, store: CompressedKV, block_ids_BSn, block: int, visible_BS):
+def pool_gather_scores(q_BSJd, w_BSJ, store: CompressedKV, block_ids_BSn, block: int, visible_BS,
+                       unroll: bool = False):
     """Reindex scores over the gathered pool keys only: ([B, S, P] scores, [B, S, P] entry ids)."""
     entry = block_ids_BSn[..., None] * block + jnp.arange(block)
     entry = entry.reshape(*block_ids_BSn.shape[:-1], -1)                   # [B, S, P]
     ok = (block_ids_BSn[..., None] >= 0).repeat(block, -1).reshape(entry.shape) & (entry < visible_BS[..., None])
     keys = dequant_keys(gather_rows(store.index_keys, entry), gather_rows(store.index_scales, entry))
-    scores = ix.lightning_scores_per_query(q_BSJd, keys, w_BSJ, ok)
+    scores = ix.lightning_scores_per_query(q_BSJd, keys, w_BSJ, ok, unroll)
     return scores, jnp.where(ok, entry, -1)
 
 
@@ -221,7 +222,8 @@ def _compressed_v4(attn, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, store
         return None, None, (entries, visible)
     b, s, _ = x_BSD.shape
     q = apply_rope(indexer.wq_b(qr_BSQ).reshape(b, s, indexer.heads, indexer.head_dim), positions_BS, cinv)
-    picks = ix.top_k_indices(ix.lightning_scores(q, keys, indexer.weights_proj(x_BSD), visible), attn.top_k)
+    picks = ix.top_k_indices(ix.lightning_scores(q, keys, indexer.weights_proj(x_BSD), visible, indexer.unroll),
+                             attn.top_k)
     return gather_rows(entries, picks), picks >= 0, None
 
 
@@ -278,20 +280,24 @@ def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
         from dsv41.kernels import dispatch  # noqa: PLC0415 (the kernels import this module)
 
         args = (qI, w, store.index_keys, store.index_scales)
+        layout = attn.policy.lowering.layout
         if rec.candidate_source is not None:  # Reindex decode: the pool's keys only
             mine["picks"] = dispatch.pool_top_k(*args, published[rec.candidate_source]["pool_ids"],
-                                                attn.pool_block_size, positions_BS, rec.ratio, attn.top_k, mode=impl)
+                                                attn.pool_block_size, positions_BS, rec.ratio, attn.top_k, mode=impl,
+                                                layout=layout)
         elif attn.builds_pool:
             mine["picks"], mine["pool_ids"] = dispatch.scores_and_pool(
                 *args, positions_BS, rec.ratio, top_k=attn.top_k, max_blocks=attn.pool_max_blocks,
-                block=attn.pool_block_size, mode=impl)
+                block=attn.pool_block_size, mode=impl, layout=layout)
         else:
-            mine["picks"] = dispatch.indexer_top_k(*args, positions_BS, rec.ratio, attn.top_k, mode=impl)
+            mine["picks"] = dispatch.indexer_top_k(*args, positions_BS, rec.ratio, attn.top_k, mode=impl,
+                                                   layout=layout)
         return
     if rec.candidate_source is not None and s == 1:
         # Decode: score only the pool's keys (the Reindex promise, DESIGN §3.4).
         pool_ids = published[rec.candidate_source]["pool_ids"]
-        scores, entry = pool_gather_scores(qI, w, store, pool_ids, attn.pool_block_size, visible_count)
+        scores, entry = pool_gather_scores(qI, w, store, pool_ids, attn.pool_block_size, visible_count,
+                                           indexer.unroll)
         local = ix.top_k_indices(scores, attn.top_k)
         picks = jnp.where(local >= 0, jnp.take_along_axis(entry, jnp.maximum(local, 0), axis=-1), -1)
         mine["picks"] = jnp.sort(jnp.where(picks < 0, jnp.iinfo(jnp.int32).max, picks), axis=-1)
@@ -299,7 +305,7 @@ def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
         return
     num = store.index_keys.shape[1]
     keys = dequant_keys(store.index_keys, store.index_scales)
-    scores = ix.lightning_scores(qI, keys, w, ix.visible_entries(positions_BS, rec.ratio, num))
+    scores = ix.lightning_scores(qI, keys, w, ix.visible_entries(positions_BS, rec.ratio, num), indexer.unroll)
     if attn.builds_pool:
         mine["pool_ids"] = ix.candidate_block_ids(scores, visible_count, attn.pool_max_blocks, attn.pool_block_size)
     if rec.candidate_source is not None:
@@ -385,7 +391,7 @@ def kernel_impl(attn) -> str:
     """What `runtime.kernels` selects on this backend: 'pallas', 'pallas_interpret' or 'reference'."""
     from dsv41.kernels import dispatch  # noqa: PLC0415 (the kernels import this module)
 
-    return dispatch.resolve(attn.kernels)
+    return dispatch.resolve(attn.kernels, dispatch.platform(attn.policy.lowering.layout))
 
 
 def _attend_kernel(attn, q_BSHK, ring, new, mask_w, picks_BSk, stores):
@@ -404,4 +410,5 @@ def _attend_kernel(attn, q_BSHK, ring, new, mask_w, picks_BSk, stores):
         store = stores[attn.record.kv_source]
         entries, entry_scales = store.entries, store.entry_scales
     return dispatch.sparse_attention_chunk(q_BSHK, values, scales, mask_w, entries, entry_scales, picks_BSk,
-                                           attn.attn_sink[...], attn.head_dim ** -0.5, mode=kernel_impl(attn))
+                                           attn.attn_sink[...], attn.head_dim ** -0.5, mode=kernel_impl(attn),
+                                           layout=attn.policy.lowering.layout)

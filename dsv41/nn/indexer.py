@@ -12,9 +12,6 @@ its top-k is unsorted in the reference, which does not change the attended set.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -33,6 +30,7 @@ class Indexer(nnx.Module):
     def __init__(self, dim: int, q_lora: int, latent: int, heads: int, head_dim: int, owns_keys: bool,
                  eps: float, *, policy: Policy, rngs: nnx.Rngs):
         self.heads, self.head_dim = heads, head_dim
+        self.unroll = policy.lowering.unroll_index_heads
         self.wq_b = Dense(q_lora, heads * head_dim, ("q_lora", "index_heads"), policy=policy, rngs=rngs)
         self.weights_proj = Dense(dim, heads, ("embed", "index_heads"), policy=policy, rngs=rngs)
         if owns_keys:
@@ -53,7 +51,7 @@ class Indexer(nnx.Module):
         q = apply_rope(q, positions_BS, inv_freq)
         if fake_quant:
             q = quant.fake_quant(q, quant.MXFP4)
-        return lightning_scores(q, keys_BTd, self.weights_proj(x_BSD), visible_BST)
+        return lightning_scores(q, keys_BTd, self.weights_proj(x_BSD), visible_BST, self.unroll)
 
 
 class IndexerV4(nnx.Module):
@@ -67,6 +65,7 @@ class IndexerV4(nnx.Module):
     def __init__(self, dim: int, q_lora: int, heads: int, head_dim: int, ratio: int, eps: float, *,
                  policy: Policy, rngs: nnx.Rngs):
         self.heads, self.head_dim, self.ratio = heads, head_dim, ratio
+        self.unroll = policy.lowering.unroll_index_heads
         self.compressor = CompressorV4(dim, head_dim, ratio, True, eps, policy=policy, rngs=rngs)
         self.wq_b = Dense(q_lora, heads * head_dim, ("q_lora", "index_heads"), policy=policy, rngs=rngs)
         self.weights_proj = Dense(dim, heads, ("embed", "index_heads"), policy=policy, rngs=rngs)
@@ -81,40 +80,28 @@ class IndexerV4(nnx.Module):
         b, s, _ = x_BSD.shape
         q = self.wq_b(qr_BSQ).reshape(b, s, self.heads, self.head_dim)
         q = apply_rope(q, positions_BS, inv_freq)
-        return lightning_scores(q, keys_BTd, self.weights_proj(x_BSD), visible_BST)
+        return lightning_scores(q, keys_BTd, self.weights_proj(x_BSD), visible_BST, self.unroll)
 
 
-def lightning_scores(q_BSJd, keys_BTd, w_BSJ, visible_BST):
+def lightning_scores(q_BSJd, keys_BTd, w_BSJ, visible_BST, unroll: bool = False):
     """I[t, i] = Σ_j w[t, j]·J^-½ · relu(q[t, j] · k[i]) · dI^-½ in fp32, −inf where not visible.
 
-    Accumulated one head at a time: the per-head scores [B, S, J, T] are never materialised."""
+    Accumulated one head at a time: the per-head scores [B, S, J, T] are never materialised. unroll: the
+    head loop traced unrolled (`Lowering.unroll_index_heads`: XLA's cost analysis counts a loop body once,
+    so FLOP reports trace it unrolled); the arithmetic is the same."""
     keys = keys_BTd.astype(jnp.float32)
     return _accumulate(q_BSJd, w_BSJ, visible_BST, lambda q_BSd: jnp.einsum(
-        "bsd,btd->bst", q_BSd, keys, precision=jax.lax.Precision.HIGHEST))
+        "bsd,btd->bst", q_BSd, keys, precision=jax.lax.Precision.HIGHEST), unroll)
 
 
-def lightning_scores_per_query(q_BSJd, keys_BSPd, w_BSJ, visible_BSP):
+def lightning_scores_per_query(q_BSJd, keys_BSPd, w_BSJ, visible_BSP, unroll: bool = False):
     """`lightning_scores` against keys gathered per query (the candidate pool): [B, S, P]."""
     keys = keys_BSPd.astype(jnp.float32)
     return _accumulate(q_BSJd, w_BSJ, visible_BSP, lambda q_BSd: jnp.einsum(
-        "bsd,bspd->bsp", q_BSd, keys, precision=jax.lax.Precision.HIGHEST))
+        "bsd,bspd->bsp", q_BSd, keys, precision=jax.lax.Precision.HIGHEST), unroll)
 
 
-_UNROLL_HEADS = contextvars.ContextVar("dsv41_unroll_index_heads", default=False)
-
-
-@contextlib.contextmanager
-def unrolled_head_loops():
-    """Traces the per-head score loops unrolled. XLA's cost analysis counts a loop body once, so FLOP
-    reports (`compile_report`, the Reindex cost test) trace under this; the arithmetic is the same."""
-    token = _UNROLL_HEADS.set(True)
-    try:
-        yield
-    finally:
-        _UNROLL_HEADS.reset(token)
-
-
-def _accumulate(q_BSJd, w_BSJ, visible_BST, dots):
+def _accumulate(q_BSJd, w_BSJ, visible_BST, dots, unroll: bool):
     heads, head_dim = q_BSJd.shape[-2:]
     q = q_BSJd.astype(jnp.float32)
     w = w_BSJ.astype(jnp.float32) * heads ** -0.5
@@ -123,7 +110,7 @@ def _accumulate(q_BSJd, w_BSJ, visible_BST, dots):
         return acc + jax.nn.relu(dots(q[:, :, j])) * head_dim ** -0.5 * w[:, :, j, None]
 
     init = jnp.zeros(visible_BST.shape, jnp.float32)
-    if _UNROLL_HEADS.get():
+    if unroll:
         scores = init
         for j in range(heads):
             scores = head(j, scores)

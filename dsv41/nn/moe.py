@@ -5,8 +5,8 @@ balancing term updated outside the gradient (a `BalanceBias` variable, stop-grad
 weights are s at the picks, normalised (+1e-20) and scaled by the route scale. An expert computes
 w2((silu(min(w1 x, L)) · clip(w3 x, ±L)) · weight). Routed tokens are sorted by expert and run
 through `jax.lax.ragged_dot`: no dense all-experts compute.
-Expert parallelism (DESIGN §9): traced inside `expert_parallel(layout)` on a mesh, the routed experts
-run in a `jax.shard_map`: each device gathers the tokens of its expert group, runs the picks that name
+Expert parallelism (DESIGN §9): built with a layout (`Policy.lowering.layout`, part of the module
+structure and so of the jit key) on a mesh, the routed experts run in a `jax.shard_map`: each device gathers the tokens of its expert group, runs the picks that name
 its own experts (and its slice of the intermediate width), and the partial sums go back to the tokens'
 owners with a reduce-scatter. Exact: the same sums as on one device, in another order.
 V4 (compat, DESIGN §3.6): the first `hash_layers` layers pick their experts from a fixed token → experts
@@ -15,8 +15,6 @@ table (`tid2eid`, a `HashRoute` variable) instead of the top-k; the weights are 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 
@@ -85,9 +83,9 @@ class MoE(nnx.Module):
         return y.astype(x_BSD.dtype).reshape(shape)
 
     def routed(self, x_ND, weights_Nk, idx_Nk):
-        """Σ_k weight_k · expert_{idx_k}(x) [N, D] fp32: on one device, or expert-parallel when traced
-        inside `expert_parallel` with a mesh of more than one device."""
-        layout = _LAYOUT.get()
+        """Σ_k weight_k · expert_{idx_k}(x) [N, D] fp32: on one device, or expert-parallel when built with
+        a layout (`Policy.lowering.layout`) on a mesh of more than one device."""
+        layout = self.policy.lowering.layout
         w = (self.w1[...], self.w3[...], self.w2[...])
         if layout is None or layout.mesh.size == 1:
             return experts(x_ND, weights_Nk, idx_Nk, *w, limit=self.limit, policy=self.policy)
@@ -97,11 +95,13 @@ class MoE(nnx.Module):
 def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, policy: Policy):
     """Σ_k weight_k · expert_{idx_k}(x) [N, D] fp32 over the G experts held here, the (token, k) picks sorted
     by expert. A pick with idx == G names an expert held elsewhere: sorted past the last group, it gets no
-    work from ragged_dot and is dropped when the rows go back to their tokens."""
+    work from ragged_dot and is dropped when the rows go back to their tokens. policy.lowering.experts_per_pick
+    traces one matmul per pick against that expert's gathered weights instead (what XLA's cost analysis
+    counts as computed; it counts a ragged_dot as if every row met every group); the result is the same."""
     n, k = idx_Nk.shape
     g = w1_GDI.shape[0]
     flat = idx_Nk.reshape(-1)
-    if _PER_PICK.get():
+    if policy.lowering.experts_per_pick:
         return _experts_per_pick(x_ND, weights_Nk, flat, w1_GDI, w3_GDI, w2_GID, limit=limit, policy=policy)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=g + 1)[:g].astype(jnp.int32)
@@ -113,21 +113,6 @@ def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, p
     back = jnp.where(flat[order] < g, order, n * k)
     y = jnp.zeros_like(ys).at[back].set(ys, mode="drop")
     return y.reshape(n, k, -1).sum(axis=1)
-
-
-_PER_PICK: contextvars.ContextVar[bool] = contextvars.ContextVar("dsv41_moe_per_pick", default=False)
-
-
-@contextlib.contextmanager
-def per_pick_weights():
-    """Traces `experts` as one matmul per (token, pick) against that expert's gathered weights. XLA's cost
-    analysis counts `ragged_dot` as if every row met every group (or all of its static rows), so FLOP
-    reports (`compile_report.context_sweep`) trace under this; the result is the same."""
-    token = _PER_PICK.set(True)
-    try:
-        yield
-    finally:
-        _PER_PICK.reset(token)
 
 
 def _experts_per_pick(x_ND, weights_Nk, flat, w1_GDI, w3_GDI, w2_GID, *, limit: float, policy: Policy):
@@ -162,28 +147,6 @@ class ExpertLayout:
         if len(set(split)) < len(split):
             raise ConfigError("expert layout", (self.expert_axes, self.tensor_axes),
                               "expected experts and intermediate width split over distinct mesh axes")
-
-
-_LAYOUT: contextvars.ContextVar[ExpertLayout | None] = contextvars.ContextVar("dsv41_expert_layout", default=None)
-
-
-def current_layout() -> ExpertLayout | None:
-    """The layout the step being traced runs under (set by `expert_parallel`), or None on one device.
-    Besides the experts, the Pallas kernels read it: on a multi-device mesh they run per device, over the
-    batch rows of `token_axes` (`dsv41.kernels.dispatch`)."""
-    return _LAYOUT.get()
-
-
-@contextlib.contextmanager
-def expert_parallel(layout: ExpertLayout | None):
-    """MoE layers traced inside run their routed experts as `layout` says (None: on one device).
-
-    Read at trace time: wrap the body of a jitted function, not its call site."""
-    token = _LAYOUT.set(layout)
-    try:
-        yield layout
-    finally:
-        _LAYOUT.reset(token)
 
 
 def experts_parallel(layout: ExpertLayout, x_ND, weights_Nk, idx_Nk, w1_EDI, w3_EDI, w2_EID, *, limit: float,

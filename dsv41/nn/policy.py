@@ -18,10 +18,29 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
+class Lowering:
+    """How the same arithmetic is traced: part of the module structure (the graphdef), so of every jit key.
+
+    layout: the routed experts' `moe.ExpertLayout` on a mesh (None: one device); the Pallas kernels run per
+    device over its token axes. experts_per_pick: the experts as one matmul per (token, pick) instead of
+    `ragged_dot`, and unroll_index_heads: the indexer's head loop unrolled — both only so that XLA's cost
+    analysis, which counts a ragged_dot as dense and a loop body once, counts what is computed (FLOP
+    reports); the results are the same.
+    """
+    layout: object = None
+    experts_per_pick: bool = False
+    unroll_index_heads: bool = False
+
+
+FLOP_COUNTING = Lowering(experts_per_pick=True, unroll_index_heads=True)
+
+
+@dataclasses.dataclass(frozen=True)
 class Policy:
     param_dtype: jnp.dtype
     compute_dtype: jnp.dtype
     init_std: float = 0.02  # std of the normal init of weights (`architecture.initializer_range`)
+    lowering: Lowering = Lowering()
 
     @property
     def precision(self):
@@ -33,14 +52,14 @@ class Policy:
         return jnp.dot(x.astype(self.compute_dtype), w.astype(self.compute_dtype), precision=self.precision)
 
 
-def from_config(cfg) -> Policy:
+def from_config(cfg, lowering: Lowering | None = None) -> Policy:
     out = []
     for field in ("param_dtype", "compute_dtype"):
         name = cfg.runtime[field]
         if name not in DTYPES:
             raise ConfigError(f"runtime.{field}", name, f"expected one of {list(DTYPES)}")
         out.append(DTYPES[name])
-    return Policy(*out, init_std=float(cfg.architecture.initializer_range))
+    return Policy(*out, init_std=float(cfg.architecture.initializer_range), lowering=lowering or Lowering())
 
 
 FP32 = Policy(jnp.float32, jnp.float32)
