@@ -18,7 +18,9 @@ import numpy as np
 from flax import nnx
 
 from dsv41 import config as config_lib
+from dsv41 import transformers_v4
 from dsv41.errors import ConfigError
+from dsv41.transformers_common import common_architecture, transposed
 
 V41_TYPES = ("deepseek_v41_text", "deepseek_v41")
 V4_TYPES = ("deepseek_v4",)
@@ -37,68 +39,8 @@ def config_from_transformers(config_dict: Mapping):
     if model_type in V41_TYPES:
         return config_lib.build(_v41_raw(c))
     if model_type in V4_TYPES:
-        from dsv41 import transformers_v4
-
         return config_lib.build(transformers_v4.raw_config(c))
     raise ConfigError("model_type", model_type, f"expected one of {list(V41_TYPES + V4_TYPES)}")
-
-
-def _require(c: Mapping, key: str, allowed, why: str):
-    value = c.get(key, allowed[0])
-    if value not in allowed:
-        raise ConfigError(key, value, f"expected {allowed[0]!r}: {why}")
-
-
-def common_architecture(c: Mapping, family: str) -> dict:
-    """The `architecture` block fields shared by V4 and V4.1 transformers configs."""
-    _require(c, "num_key_value_heads", (1,), "one shared KV latent (MQA)")
-    _require(c, "hidden_act", ("silu",), "SwiGLU experts")
-    _require(c, "scoring_func", ("sqrtsoftplus",), "sqrt-softplus router scores")
-    _require(c, "norm_topk_prob", (True,), "normalised top-k routing weights")
-    _require(c, "attention_bias", (False,), "bias-free projections")
-    _require(c, "gate_temp", (1.0, 1), "no router temperature")
-    rope = c["rope_parameters"]
-    main, comp = rope["main"], rope["compress"]
-    head_dim = c["head_dim"]
-    rope_dim = c.get("qk_rope_head_dim") or int(round(head_dim * main.get("partial_rotary_factor", 1.0)))
-    if comp.get("rope_type", "default") != "yarn":
-        raise ConfigError("rope_parameters.compress.rope_type", comp.get("rope_type"), "expected 'yarn'")
-    if comp.get("attention_factor", 1.0) != 1.0:
-        raise ConfigError("rope_parameters.compress.attention_factor", comp["attention_factor"],
-                          "expected 1.0 (the reference does not scale cos/sin)")
-    return {
-        "family": family,
-        "vocab_size": c["vocab_size"],
-        "hidden_size": c["hidden_size"],
-        "num_heads": c["num_attention_heads"],
-        "head_dim": head_dim,
-        "rope_head_dim": rope_dim,
-        "q_lora_rank": c["q_lora_rank"],
-        "o_groups": c["o_groups"],
-        "o_lora_rank": c["o_lora_rank"],
-        "norm_eps": c["rms_norm_eps"],
-        "initializer_range": c.get("initializer_range", 0.02),
-        "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
-        "rope": {
-            "theta": main["rope_theta"],
-            "compressed_theta": comp["rope_theta"],
-            "yarn_factor": comp["factor"],
-            "yarn_original_max_position": comp["original_max_position_embeddings"],
-            "yarn_beta_fast": comp.get("beta_fast") or 32.0,
-            "yarn_beta_slow": comp.get("beta_slow") or 1.0,
-            "max_position": c["max_position_embeddings"],
-        },
-        "moe": {
-            "num_experts": c["n_routed_experts"],
-            "top_k": c["num_experts_per_tok"],
-            "num_shared_experts": c.get("n_shared_experts", 1),
-            "intermediate_size": c["moe_intermediate_size"],
-            "score_func": "sqrtsoftplus",
-            "route_scale": c["routed_scaling_factor"],
-            "swiglu_limit": c["swiglu_limit"],
-        },
-        "mhc": {"streams": c["hc_mult"], "sinkhorn_iters": c["hc_sinkhorn_iters"], "eps": c["hc_eps"]},
-    }
 
 
 def _v41_groups(ratios, kv_sources, index_sources, start, stop):
@@ -181,10 +123,6 @@ def to_numpy(t) -> np.ndarray:
     return np.asarray(t)
 
 
-def _t(x):
-    return np.ascontiguousarray(x.T)
-
-
 # Checkpoint tensors dsv41 deliberately does not load: the vision path and the DSpark drafter are out
 # of scope (DESIGN §2), as in the port.
 V41_IGNORED = re.compile(r"(^|\.)mtp\.|^vision\.|^aligner\.|^image_(start|end|newline)$|\.ffn\.gate\.bias_vl$")
@@ -192,26 +130,26 @@ V41_IGNORED = re.compile(r"(^|\.)mtp\.|^vision\.|^aligner\.|^image_(start|end|ne
 _L = r"model\.layers\.(\d+)\."
 V41_RULES = [
     (r"model\.embed\.weight", lambda m: ("embed",), None),
-    (r"lm_head\.weight", lambda m: ("head", "w"), _t),
+    (r"lm_head\.weight", lambda m: ("head", "w"), transposed),
     (r"model\.norm\.weight", lambda m: ("norm", "weight"), None),
     (_L + r"hc_(attn|ffn)_(fn|base|scale)", lambda m: ("layers", int(m[1]), f"hc_{m[2]}", m[3]), None),
     (_L + r"(attn_norm|ffn_norm)\.weight", lambda m: ("layers", int(m[1]), m[2], "weight"), None),
     (_L + r"attn\.attn_sink", lambda m: ("layers", int(m[1]), "attn", "attn_sink"), None),
-    (_L + r"attn\.(wq_a|wq_b|wkv|wo_b)\.weight", lambda m: ("layers", int(m[1]), "attn", m[2], "w"), _t),
+    (_L + r"attn\.(wq_a|wq_b|wkv|wo_b)\.weight", lambda m: ("layers", int(m[1]), "attn", m[2], "w"), transposed),
     (_L + r"attn\.(q_norm|kv_norm)\.weight", lambda m: ("layers", int(m[1]), "attn", m[2], "weight"), None),
     (_L + r"attn\.wo_a\.weight", lambda m: ("layers", int(m[1]), "attn", "wo_a"), "wo_a"),
-    (_L + r"attn\.compressor\.(wkv|wgate)\.weight", lambda m: ("layers", int(m[1]), "attn", "compressor", m[2], "w"), _t),
+    (_L + r"attn\.compressor\.(wkv|wgate)\.weight", lambda m: ("layers", int(m[1]), "attn", "compressor", m[2], "w"), transposed),
     (_L + r"attn\.compressor\.norm\.weight", lambda m: ("layers", int(m[1]), "attn", "compressor", "norm", "weight"), None),
-    (_L + r"attn\.indexer\.(wq_b|weights_proj|wk)\.weight", lambda m: ("layers", int(m[1]), "attn", "indexer", m[2], "w"), _t),
+    (_L + r"attn\.indexer\.(wq_b|weights_proj|wk)\.weight", lambda m: ("layers", int(m[1]), "attn", "indexer", m[2], "w"), transposed),
     (_L + r"attn\.indexer\.k_norm\.weight", lambda m: ("layers", int(m[1]), "attn", "indexer", "k_norm", "weight"), None),
-    (_L + r"ffn\.gate\.weight", lambda m: ("layers", int(m[1]), "ffn", "gate"), _t),
+    (_L + r"ffn\.gate\.weight", lambda m: ("layers", int(m[1]), "ffn", "gate"), transposed),
     (_L + r"ffn\.gate\.bias", lambda m: ("layers", int(m[1]), "ffn", "bias"), None),
     (_L + r"ffn\.experts\.(\d+)\.(w1|w2|w3)\.weight", lambda m: ("layers", int(m[1]), "ffn", m[3]), "expert"),
-    (_L + r"ffn\.shared_experts\.(w1|w2|w3)\.weight", lambda m: ("layers", int(m[1]), "ffn", "shared", m[2], "w"), _t),
+    (_L + r"ffn\.shared_experts\.(w1|w2|w3)\.weight", lambda m: ("layers", int(m[1]), "ffn", "shared", m[2], "w"), transposed),
     (_L + r"engram\.(q_weight|k_weight)", lambda m: ("layers", int(m[1]), "engram", m[2]), None),
     (_L + r"engram\.embed\.weight", lambda m: ("layers", int(m[1]), "engram", "table"), "engram_table"),
     (_L + r"engram\.embed\.scale", None, "engram_scale"),
-    (_L + r"engram\.wkv\.weight", lambda m: ("layers", int(m[1]), "engram", "wkv", "w"), _t),
+    (_L + r"engram\.wkv\.weight", lambda m: ("layers", int(m[1]), "engram", "wkv", "w"), transposed),
 ]
 
 
@@ -224,8 +162,6 @@ def params_from_transformers(state_dict: Mapping, cfg) -> nnx.State:
     from dsv41 import model as model_lib
 
     if cfg.architecture.family == "v4":
-        from dsv41 import transformers_v4
-
         rules, ignored = transformers_v4.RULES, transformers_v4.IGNORED
     else:
         rules, ignored = V41_RULES, V41_IGNORED
@@ -259,7 +195,7 @@ def params_from_transformers(state_dict: Mapping, cfg) -> nnx.State:
             unknown.append(name)
             continue
         if how == "expert":
-            experts.setdefault(path, {})[int(m[2])] = _t(array)
+            experts.setdefault(path, {})[int(m[2])] = transposed(array)
             continue
         if how == "wo_a":
             g = cfg.architecture.o_groups

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from dsv41.errors import ConfigError
-from dsv41.transformers_io import _require, _t, common_architecture
+from dsv41.transformers_common import common_architecture, require, transposed
 
 # transformers' attention layer types -> dsv41 V4 layer types (DESIGN §4).
 LAYER_TYPES = {
@@ -41,7 +41,7 @@ def raw_config(c: Mapping) -> dict:
     # The reference normalises the routing weights whatever k; the shared MoE keeps a single pick's raw score.
     if c["num_experts_per_tok"] < 2:
         raise ConfigError("num_experts_per_tok", c["num_experts_per_tok"], "expected at least 2 routed experts")
-    _require(c, "n_shared_experts", (1,), "the released V4 builds one shared expert of moe_intermediate_size")
+    require(c, "n_shared_experts", (1,), "the released V4 builds one shared expert of moe_intermediate_size")
     rates = c.get("compress_rates") or {}
     arch = common_architecture(c, "v4")
     kv_cache = {"swa_window_size": c["sliding_window"]}
@@ -100,7 +100,7 @@ def _layer(m, *rest):
 
 RULES = [
     (r"model\.embed_tokens\.weight", lambda m: ("embed",), None),
-    (r"lm_head\.weight", lambda m: ("head", "w"), _t),
+    (r"lm_head\.weight", lambda m: ("head", "w"), transposed),
     (r"model\.norm\.weight", lambda m: ("norm", "weight"), None),
     (r"model\.hc_head\.hc_(fn|base|scale)", lambda m: ("hc_head", m[1]), None),
     (_L + r"(attn|ffn)_hc\.(fn|base|scale)", lambda m: _layer(m, f"hc_{m[2]}", m[3]), None),
@@ -109,25 +109,25 @@ RULES = [
     # attention
     (_A + r"sinks", lambda m: _layer(m, "attn", "attn_sink"), None),
     (_A + r"(q_a|q_b|kv|o_b)_proj\.weight",
-     lambda m: _layer(m, "attn", {"q_a": "wq_a", "q_b": "wq_b", "kv": "wkv", "o_b": "wo_b"}[m[2]], "w"), _t),
+     lambda m: _layer(m, "attn", {"q_a": "wq_a", "q_b": "wq_b", "kv": "wkv", "o_b": "wo_b"}[m[2]], "w"), transposed),
     (_A + r"(q_a_norm|kv_norm)\.weight",
      lambda m: _layer(m, "attn", {"q_a_norm": "q_norm", "kv_norm": "kv_norm"}[m[2]], "weight"), None),
     (_A + r"o_a_proj\.weight", lambda m: _layer(m, "attn", "wo_a"), "wo_a"),
     # compressors (CSA and HCA) and the CSA indexer, which owns a compressor of its own
     (_C + r"(indexer\.)?(kv|gate)_proj\.weight",
-     lambda m: _layer(m, "attn", *(("indexer",) if m[2] else ()), "compressor", "w" + m[3], "w"), _t),
+     lambda m: _layer(m, "attn", *(("indexer",) if m[2] else ()), "compressor", "w" + m[3], "w"), transposed),
     (_C + r"(indexer\.)?position_bias",
      lambda m: _layer(m, "attn", *(("indexer",) if m[2] else ()), "compressor", "position_bias"), None),
     (_C + r"(indexer\.)?kv_norm\.weight",
      lambda m: _layer(m, "attn", *(("indexer",) if m[2] else ()), "compressor", "norm", "weight"), None),
-    (_I + r"q_b_proj\.weight", lambda m: _layer(m, "attn", "indexer", "wq_b", "w"), _t),
-    (_I + r"scorer\.weights_proj\.weight", lambda m: _layer(m, "attn", "indexer", "weights_proj", "w"), _t),
+    (_I + r"q_b_proj\.weight", lambda m: _layer(m, "attn", "indexer", "wq_b", "w"), transposed),
+    (_I + r"scorer\.weights_proj\.weight", lambda m: _layer(m, "attn", "indexer", "weights_proj", "w"), transposed),
     # MoE: router (top-k with its balance bias, or hash table), packed experts, shared expert
-    (_L + r"mlp\.gate\.weight", lambda m: _layer(m, "ffn", "gate"), _t),
+    (_L + r"mlp\.gate\.weight", lambda m: _layer(m, "ffn", "gate"), transposed),
     (_L + r"mlp\.gate\.e_score_correction_bias", lambda m: _layer(m, "ffn", "bias"), None),
     (_L + r"mlp\.gate\.tid2eid", lambda m: _layer(m, "ffn", "tid2eid"), None),
     (_L + r"mlp\.experts\.gate_up_proj", lambda m: [_layer(m, "ffn", "w1"), _layer(m, "ffn", "w3")], _split_gate_up),
     (_L + r"mlp\.experts\.down_proj", lambda m: _layer(m, "ffn", "w2"), _experts_t),
     (_L + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight",
-     lambda m: _layer(m, "ffn", "shared", {"gate": "w1", "up": "w3", "down": "w2"}[m[2]], "w"), _t),
+     lambda m: _layer(m, "ffn", "shared", {"gate": "w1", "up": "w3", "down": "w2"}[m[2]], "w"), transposed),
 ]

@@ -7,7 +7,7 @@ the newest visible entry always kept, the best `max_blocks` blocks, ascending, �
 selection runs in XLA over T / block maxima (a top-2048 over 131072 block scores at 1M context).
 
 Reindex layers (24/28/32/36): `pool_scores` scores only the pool's keys, gathered from the packed store
-by block id (`attention_cache.pool_gather_scores` semantics: [B, S, n·block] scores, −inf where the
+by block id (`indexer.pool_gather_scores` semantics: [B, S, n·block] scores, −inf where the
 block is −1 or the entry is not yet visible, with their entry ids), so a Reindex query costs n·block
 keys whatever the context. `pool_top_k` is then the reference's top-k inside the pool mapped back to
 entry ids (ascending, −1 padded), in XLA like the scoring kernel's top-k.
@@ -36,7 +36,6 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
 from dsv41.kernels import indexer_scores as isc
-from dsv41.nn import attention_cache
 from dsv41.nn import indexer as ix
 
 NEG_INF = float("-inf")
@@ -142,14 +141,6 @@ def _gpu_pool_kernel(ids_ref, keys_ref, scales_ref, qe_ref, qo_ref, w_ref, out_r
     out_ref[...] = jnp.sum(relu * w_ref[0, :][None, :], axis=1)
 
 
-def pool_entries(block_ids_BSn, block: int, visible_BS):
-    """(entry ids [B, S, n·block], usable [B, S, n·block]): a block's entries, usable unless the block
-    is −1 or the entry is not yet visible."""
-    entry = (block_ids_BSn[..., None] * block + jnp.arange(block)).reshape(*block_ids_BSn.shape[:-1], -1)
-    ok = jnp.repeat(block_ids_BSn >= 0, block, axis=-1) & (entry < visible_BS[..., None])
-    return entry, ok
-
-
 def pool_scores(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, block: int, positions_BS,
                 ratio: int, *, backend: str = "tpu", interpret: bool = False, chunk: int | None = None):
     """Reindex scores over the pool's keys only: (scores [B, S, n·block] fp32, entry ids [B, S, n·block]).
@@ -172,7 +163,7 @@ def pool_scores(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, 
     qe, qo = isc.split_query(q_BSJd)                                            # [B, S, J, dI/2]
     w = jnp.pad(isc.head_weights(w_BSJ, d)[:, :, None, :], [(0, 0), (0, 0), (0, 7), (0, 0)])  # [B, S, 8, J]
     visible = (positions_BS.astype(jnp.int32) + 1) // ratio
-    entry, ok = pool_entries(block_ids_BSn, block, visible)
+    entry, ok = ix.pool_entries(block_ids_BSn, block, visible)
 
     if backend == "tpu":
         per_tile = LANES // block
@@ -237,11 +228,11 @@ def pool_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, b
 
 def pool_scores_reference(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, block: int,
                           positions_BS, ratio: int):
-    """`attention_cache.pool_gather_scores`, with −1 ids where an entry is unusable."""
+    """`indexer.pool_gather_scores`, with −1 ids where an entry is unusable."""
     # pool_gather_scores reads only the index store of its CompressedKV.
     store = types.SimpleNamespace(index_keys=index_keys_BTh, index_scales=index_scales_BTc)
     visible = (positions_BS + 1) // ratio
-    return attention_cache.pool_gather_scores(q_BSJd, w_BSJ, store, block_ids_BSn, block, visible)
+    return ix.pool_gather_scores(q_BSJd, w_BSJ, store, block_ids_BSn, block, visible)
 
 
 def pool_top_k_reference(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, block: int,

@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
-from dsv41.nn import attention_cache
+from dsv41 import kv_store
 from dsv41.nn import indexer as ix
 
 NEG_INF = float("-inf")
@@ -327,7 +327,7 @@ def indexer_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS,
 def indexer_scores_reference(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio: int):
     """The plain-JAX path of `attention_cache._select`: dequantise the whole store, `lightning_scores`."""
     check_store(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc)
-    keys = attention_cache.dequant_keys(index_keys_BTh, index_scales_BTc)
+    keys = kv_store.dequant_keys(index_keys_BTh, index_scales_BTc)
     visible = ix.visible_entries(positions_BS, ratio, index_keys_BTh.shape[1])
     return ix.lightning_scores(q_BSJd, keys, w_BSJ, visible)
 

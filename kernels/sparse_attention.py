@@ -2,7 +2,7 @@
 
 Per query (one per row at decode, S per row in a prefill chunk) with H heads sharing one KV latent (MQA, key
 == value): one softmax over the valid FP8 window keys, the valid FP4 entries the indexer picked and the
-per-head sink (denominator only); a query with nothing valid gives 0, as `attention_cache.attend_step`.
+per-head sink (denominator only); a query with nothing valid gives 0, as `attention.attend_step`.
 
 Kernel (one body for interpret mode, Mosaic TPU and Triton GPU; grid = one program per query):
 - each KV tile (`block_keys` keys) is dequantised ONCE from its bytes in VMEM/registers and shared by all H
@@ -38,7 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from dsv41.kernels import quant_pack as qp
-from dsv41.nn import attention_cache as ac
+from dsv41.kv_store import dequant_entries, dequant_window, gather_rows, ring_positions
+from dsv41.nn.attention import attend_step
 
 HI = lax.Precision.HIGHEST
 
@@ -48,7 +49,7 @@ def ring_valid(lengths_B, window_start_B, window: int):
 
     Slot p % W holds position p; a slot is valid once written (p >= 0) and at or after the row's window start.
     """
-    pos = ac.ring_positions(lengths_B, window)
+    pos = ring_positions(lengths_B, window)
     return (pos >= 0) & (pos >= jnp.maximum(window_start_B, 0)[:, None])
 
 
@@ -152,8 +153,8 @@ def sparse_attention(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST
     rows = b * s
 
     # The picked rows, gathered by XLA (module doc: Mosaic cannot DMA one 8-bit row).
-    sel_vals = ac.gather_rows(entries_BNK2, picks_BSk).reshape(rows, n_sel, k // 2)
-    sel_scales = ac.gather_rows(entry_scales_BNX, picks_BSk).reshape(rows, n_sel, k // 16)
+    sel_vals = gather_rows(entries_BNK2, picks_BSk).reshape(rows, n_sel, k // 2)
+    sel_scales = gather_rows(entry_scales_BNX, picks_BSk).reshape(rows, n_sel, k // 16)
     sel_ok = (picks_BSk >= 0).astype(jnp.int32).reshape(rows, 1, n_sel)
     win_ok = window_ok_BST.astype(jnp.int32).reshape(rows, 1, t_win)
     q = q_BSHK.reshape(rows, h, k)
@@ -204,20 +205,20 @@ def sparse_decode_attention(q_BHK, window_values_BWK, window_scales_BWX, window_
 
 
 # ----------------------------------------------------------------------------------------------------
-# Plain-JAX references: dequantise the stores, then `attention_cache.attend_step`.
+# Plain-JAX references: dequantise the stores, then `attention.attend_step`.
 
 def sparse_attention_reference(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2,
                                entry_scales_BNX, picks_BSk, sink_H, scale: float):
-    """What `sparse_attention` computes, from `attention_cache` (same arguments, same result)."""
-    keys_w = ac.dequant_window(window_values_BTK, window_scales_BTX).astype(q_BSHK.dtype)
-    sel = ac.dequant_entries(ac.gather_rows(entries_BNK2, picks_BSk), ac.gather_rows(entry_scales_BNX, picks_BSk))
-    out = ac.attend_step(q_BSHK, keys_w, window_ok_BST, sel.astype(q_BSHK.dtype), picks_BSk >= 0, sink_H, scale)
+    """What `sparse_attention` computes, from `kv_store` and `attend_step` (same arguments, same result)."""
+    keys_w = dequant_window(window_values_BTK, window_scales_BTX).astype(q_BSHK.dtype)
+    sel = dequant_entries(gather_rows(entries_BNK2, picks_BSk), gather_rows(entry_scales_BNX, picks_BSk))
+    out = attend_step(q_BSHK, keys_w, window_ok_BST, sel.astype(q_BSHK.dtype), picks_BSk >= 0, sink_H, scale)
     return out.astype(q_BSHK.dtype)
 
 
 def sparse_decode_attention_reference(q_BHK, window_values_BWK, window_scales_BWX, window_ok_BW, entries_BNK2,
                                       entry_scales_BNX, picks_Bk, sink_H, scale: float):
-    """What `sparse_decode_attention` computes, from `attention_cache`."""
+    """What `sparse_decode_attention` computes, from `kv_store` and `attend_step`."""
     return sparse_attention_reference(q_BHK[:, None], window_values_BWK, window_scales_BWX, window_ok_BW[:, None],
                                       entries_BNK2, entry_scales_BNX, picks_Bk[:, None], sink_H, scale)[:, 0]
 

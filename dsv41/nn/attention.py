@@ -7,6 +7,8 @@ rotated back at the query position, then projected by the grouped wo_a (block-di
 o_groups) and wo_b. Full layers own a compressor (and indexer keys); Full and Reindex layers own an
 indexer query; Reuse layers read what their sources published. V4 (compat): `AttentionV4` below, with
 the per-head query RMSNorm V4 had (`architecture.q_head_norm`).
+`window_keys` and `attend_step` are the same softmax over what the inference cache holds (the window ring
+and the new tokens, each query's picked entries), as `attention_cache` and the kernels' references run it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dsv41.nn.rope import apply_rope
 from dsv41.plan import CSA, FULL, REINDEX, LayerRecord
 
 NEG_INF = -jnp.inf
+HI = jax.lax.Precision.HIGHEST
 
 
 class Attention(nnx.Module):
@@ -185,3 +188,74 @@ def attend(q_BSHK, keys_BTK, mask_BST, sink_H, scale: float):
     probs = jax.nn.softmax(combined, axis=-1)[..., :-1]
     return jnp.einsum("bhst,btk->bshk", probs.astype(keys_BTK.dtype), keys_BTK,
                       precision=jax.lax.Precision.HIGHEST)
+
+
+def window_keys(keys_BTK, key_pos_BT, key_ok_BT, positions_BS, window: int):
+    """The window keys of S queries and their mask, from [ring (W) | new tokens (S)].
+
+    S < 2W: every query against all W + S keys ([B, W+S, K], mask [B, S, W+S]). Longer chunks are
+    banded: the queries of block n (W of them) only reach keys n·W … n·W + 2W − 1 of that list, so the
+    keys come as blocks [B, n, 2W, K] with a mask [B, n·W, 2W] — the cost grows as S·W, not S²."""
+    s = positions_BS.shape[1]
+    if s < 2 * window:
+        delta = positions_BS[:, :, None] - key_pos_BT[:, None, :]
+        return keys_BTK, key_ok_BT[:, None, :] & (delta >= 0) & (delta < window)
+    nb = -(-s // window)
+    pad = window + nb * window - keys_BTK.shape[1]
+    keys = jnp.pad(keys_BTK, [(0, 0), (0, pad), (0, 0)])
+    pos = jnp.pad(key_pos_BT, [(0, 0), (0, pad)], constant_values=-1)
+    ok = jnp.pad(key_ok_BT, [(0, 0), (0, pad)])
+
+    def blocks(x):
+        lo = x[:, : nb * window].reshape(x.shape[0], nb, window, *x.shape[2:])
+        hi = x[:, window: window + nb * window].reshape(x.shape[0], nb, window, *x.shape[2:])
+        return jnp.concatenate([lo, hi], axis=2)
+
+    qpos = jnp.pad(positions_BS, [(0, 0), (0, nb * window - s)], constant_values=-1).reshape(-1, nb, window)
+    delta = qpos[..., None] - blocks(pos)[:, :, None, :]
+    mask = blocks(ok)[:, :, None, :] & (delta >= 0) & (delta < window)
+    return blocks(keys), mask.reshape(mask.shape[0], nb * window, 2 * window)
+
+
+def attend_step(q_BSHK, keys_w, mask_w, sel_BSkK, sel_ok_BSk, sink_H, scale: float, shared=None):
+    """One softmax with the sink over the window keys (shared by the chunk, or banded blocks from
+    `window_keys`), each query's own selected entries and, when given, `shared` = (keys [B, T, K],
+    mask [B, S, T]) that every query of the row may see (a V4 HCA layer's entries); a row with nothing
+    valid gives 0."""
+    b, s, h, k = q_BSHK.shape
+    banded = keys_w.ndim == 4
+    if banded:
+        nb, span = keys_w.shape[1], keys_w.shape[2]
+        qb = jnp.pad(q_BSHK, [(0, 0), (0, nb * (span // 2) - s), (0, 0), (0, 0)]).reshape(b, nb, span // 2, h, k)
+        logits = jnp.einsum("bnqhk,bntk->bhnqt", qb, keys_w, preferred_element_type=jnp.float32, precision=HI)
+        logits = logits.reshape(b, h, nb * (span // 2), span)[:, :, :s] * scale
+        mask_BST = mask_w[:, :s]
+    else:
+        logits = jnp.einsum("bshk,btk->bhst", q_BSHK, keys_w, preferred_element_type=jnp.float32, precision=HI) * scale
+        mask_BST = mask_w
+    parts = [jnp.where(mask_BST[:, None], logits, NEG_INF)]
+    if sel_BSkK is not None:
+        lc = jnp.einsum("bshk,bsjk->bhsj", q_BSHK, sel_BSkK, preferred_element_type=jnp.float32, precision=HI) * scale
+        parts.append(jnp.where(sel_ok_BSk[:, None], lc, NEG_INF))
+    if shared is not None:
+        keys_s, mask_s = shared
+        ls = jnp.einsum("bshk,btk->bhst", q_BSHK, keys_s, preferred_element_type=jnp.float32, precision=HI) * scale
+        parts.append(jnp.where(mask_s[:, None], ls, NEG_INF))
+    sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[None, :, None, None], (*logits.shape[:-1], 1))
+    combined = jnp.concatenate(parts + [sink], axis=-1)
+    combined = combined - jnp.max(combined, axis=-1, keepdims=True)
+    probs = jax.nn.softmax(combined, axis=-1)
+    t = logits.shape[-1]
+    if banded:
+        p = jnp.pad(probs[..., :t], [(0, 0), (0, 0), (0, nb * (span // 2) - s), (0, 0)])
+        p = p.reshape(b, h, nb, span // 2, span).astype(keys_w.dtype)
+        out = jnp.einsum("bhnqt,bntk->bnqhk", p, keys_w, precision=HI).reshape(b, nb * (span // 2), h, k)[:, :s]
+    else:
+        out = jnp.einsum("bhst,btk->bshk", probs[..., :t].astype(keys_w.dtype), keys_w, precision=HI)
+    if sel_BSkK is not None:
+        k = sel_BSkK.shape[2]
+        out = out + jnp.einsum("bhsj,bsjk->bshk", probs[..., t:t + k].astype(sel_BSkK.dtype), sel_BSkK, precision=HI)
+        t += k
+    if shared is not None:
+        out = out + jnp.einsum("bhst,btk->bshk", probs[..., t:-1].astype(keys_s.dtype), keys_s, precision=HI)
+    return out

@@ -22,61 +22,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41 import quant
-from dsv41.cache import CompressedKV
+from dsv41.kernels import dispatch
+from dsv41.kv_store import (dequant_entries, dequant_keys, dequant_window, gather_rows, packed, ring_positions,
+                            write_rows)
 from dsv41.nn import indexer as ix
-from dsv41.nn.attention import AttentionV4
+from dsv41.nn.attention import AttentionV4, attend_step, window_keys
+from dsv41.nn.indexer import pool_gather_scores
 from dsv41.nn.norm import rms_normalize
 from dsv41.nn.rope import apply_rope
 
 NEG_INF = -jnp.inf
 HI = jax.lax.Precision.HIGHEST
-
-
-def _rows(x):
-    return jnp.arange(x.shape[0])[:, None]
-
-
-def ring_positions(lengths_B, window: int):
-    """[B, W]: the position held by each ring slot (slot p % W holds p); negative where empty."""
-    last = lengths_B[:, None] - 1
-    return last - jnp.mod(last - jnp.arange(window), window)
-
-
-def write_rows(store, values_BNX, index_BN, keep_BN):
-    """store[b, index[b, n]] = values[b, n] where keep (others dropped)."""
-    index = jnp.where(keep_BN, index_BN, store.shape[1])
-    return store.at[_rows(index), index].set(values_BNX.astype(store.dtype), mode="drop")
-
-
-def gather_rows(store, index_BSk):
-    """store[b, index[b, s, j]] -> [B, S, k, ...] (index clamped; the caller masks invalid picks)."""
-    b = jnp.arange(store.shape[0])[:, None, None]
-    return store[b, jnp.clip(index_BSk, 0, store.shape[1] - 1)]
-
-
-def packed(store) -> bool:
-    """True when a store leaf holds the packed bytes, False for the float cache."""
-    return store.dtype == jnp.uint8
-
-
-def dequant_entries(packed_values, scale_bytes):
-    """FP4 main entries (+ E4M3 scale bytes) -> float32; the float cache's entries as they are."""
-    if not packed(packed_values):
-        return packed_values
-    return quant.dequantize_fp4_e4m3_16(quant.unpack_fp4(packed_values),
-                                        quant.from_bytes(scale_bytes, jnp.float8_e4m3fn))
-
-
-def dequant_keys(packed_values, scale_bytes):
-    """MXFP4 indexer keys (+ UE8M0 scale bytes) -> float32; the float cache's keys as they are."""
-    if not packed(packed_values):
-        return packed_values
-    return quant.dequantize_mxfp4(quant.unpack_fp4(packed_values), quant.from_bytes(scale_bytes, jnp.float8_e8m0fnu))
-
-
-def dequant_window(value_bytes, scale_bytes):
-    return quant.dequantize_fp8_ue8m0_32(quant.from_bytes(value_bytes, jnp.float8_e4m3fn),
-                                         quant.from_bytes(scale_bytes, jnp.float8_e8m0fnu))
 
 
 def compress_step(comp, x_BSD, lengths_B, counts_B, leftover_BRC):
@@ -132,17 +88,6 @@ def compress_step(comp, x_BSD, lengths_B, counts_B, leftover_BRC):
     pos = (new_len // m * m - back)[:, None] + jnp.arange(held)            # the new leftover's positions
     keep = ((pos >= 0) & (pos < new_len[:, None]))[..., None]
     return latent, entry, done, jnp.where(keep, fetch(pos), 0.0)
-
-
-def pool_gather_scores(q_BSJd, w_BSJ, store: CompressedKV, block_ids_BSn, block: int, visible_BS,
-                       unroll: bool = False):
-    """Reindex scores over the gathered pool keys only: ([B, S, P] scores, [B, S, P] entry ids)."""
-    entry = block_ids_BSn[..., None] * block + jnp.arange(block)
-    entry = entry.reshape(*block_ids_BSn.shape[:-1], -1)                   # [B, S, P]
-    ok = (block_ids_BSn[..., None] >= 0).repeat(block, -1).reshape(entry.shape) & (entry < visible_BS[..., None])
-    keys = dequant_keys(gather_rows(store.index_keys, entry), gather_rows(store.index_scales, entry))
-    scores = ix.lightning_scores_per_query(q_BSJd, keys, w_BSJ, ok, unroll)
-    return scores, jnp.where(ok, entry, -1)
 
 
 def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_start_B, published: dict,
@@ -277,8 +222,6 @@ def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
     impl = kernel_impl(attn)
     # The kernels read the packed keys; the float cache takes the reference path below.
     if impl != "reference" and packed(store.index_keys) and (rec.candidate_source is None or s == 1):
-        from dsv41.kernels import dispatch  # noqa: PLC0415 (the kernels import this module)
-
         args = (qI, w, store.index_keys, store.index_scales)
         layout = attn.policy.lowering.layout
         if rec.candidate_source is not None:  # Reindex decode: the pool's keys only
@@ -316,81 +259,8 @@ def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
     mine["picks"] = ix.top_k_indices(scores, attn.top_k)
 
 
-def window_keys(keys_BTK, key_pos_BT, key_ok_BT, positions_BS, window: int):
-    """The window keys of S queries and their mask, from [ring (W) | new tokens (S)].
-
-    S < 2W: every query against all W + S keys ([B, W+S, K], mask [B, S, W+S]). Longer chunks are
-    banded: the queries of block n (W of them) only reach keys n·W … n·W + 2W − 1 of that list, so the
-    keys come as blocks [B, n, 2W, K] with a mask [B, n·W, 2W] — the cost grows as S·W, not S²."""
-    s = positions_BS.shape[1]
-    if s < 2 * window:
-        delta = positions_BS[:, :, None] - key_pos_BT[:, None, :]
-        return keys_BTK, key_ok_BT[:, None, :] & (delta >= 0) & (delta < window)
-    nb = -(-s // window)
-    pad = window + nb * window - keys_BTK.shape[1]
-    keys = jnp.pad(keys_BTK, [(0, 0), (0, pad), (0, 0)])
-    pos = jnp.pad(key_pos_BT, [(0, 0), (0, pad)], constant_values=-1)
-    ok = jnp.pad(key_ok_BT, [(0, 0), (0, pad)])
-
-    def blocks(x):
-        lo = x[:, : nb * window].reshape(x.shape[0], nb, window, *x.shape[2:])
-        hi = x[:, window: window + nb * window].reshape(x.shape[0], nb, window, *x.shape[2:])
-        return jnp.concatenate([lo, hi], axis=2)
-
-    qpos = jnp.pad(positions_BS, [(0, 0), (0, nb * window - s)], constant_values=-1).reshape(-1, nb, window)
-    delta = qpos[..., None] - blocks(pos)[:, :, None, :]
-    mask = blocks(ok)[:, :, None, :] & (delta >= 0) & (delta < window)
-    return blocks(keys), mask.reshape(mask.shape[0], nb * window, 2 * window)
-
-
-def attend_step(q_BSHK, keys_w, mask_w, sel_BSkK, sel_ok_BSk, sink_H, scale: float, shared=None):
-    """One softmax with the sink over the window keys (shared by the chunk, or banded blocks from
-    `window_keys`), each query's own selected entries and, when given, `shared` = (keys [B, T, K],
-    mask [B, S, T]) that every query of the row may see (a V4 HCA layer's entries); a row with nothing
-    valid gives 0."""
-    b, s, h, k = q_BSHK.shape
-    banded = keys_w.ndim == 4
-    if banded:
-        nb, span = keys_w.shape[1], keys_w.shape[2]
-        qb = jnp.pad(q_BSHK, [(0, 0), (0, nb * (span // 2) - s), (0, 0), (0, 0)]).reshape(b, nb, span // 2, h, k)
-        logits = jnp.einsum("bnqhk,bntk->bhnqt", qb, keys_w, preferred_element_type=jnp.float32, precision=HI)
-        logits = logits.reshape(b, h, nb * (span // 2), span)[:, :, :s] * scale
-        mask_BST = mask_w[:, :s]
-    else:
-        logits = jnp.einsum("bshk,btk->bhst", q_BSHK, keys_w, preferred_element_type=jnp.float32, precision=HI) * scale
-        mask_BST = mask_w
-    parts = [jnp.where(mask_BST[:, None], logits, NEG_INF)]
-    if sel_BSkK is not None:
-        lc = jnp.einsum("bshk,bsjk->bhsj", q_BSHK, sel_BSkK, preferred_element_type=jnp.float32, precision=HI) * scale
-        parts.append(jnp.where(sel_ok_BSk[:, None], lc, NEG_INF))
-    if shared is not None:
-        keys_s, mask_s = shared
-        ls = jnp.einsum("bshk,btk->bhst", q_BSHK, keys_s, preferred_element_type=jnp.float32, precision=HI) * scale
-        parts.append(jnp.where(mask_s[:, None], ls, NEG_INF))
-    sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[None, :, None, None], (*logits.shape[:-1], 1))
-    combined = jnp.concatenate(parts + [sink], axis=-1)
-    combined = combined - jnp.max(combined, axis=-1, keepdims=True)
-    probs = jax.nn.softmax(combined, axis=-1)
-    t = logits.shape[-1]
-    if banded:
-        p = jnp.pad(probs[..., :t], [(0, 0), (0, 0), (0, nb * (span // 2) - s), (0, 0)])
-        p = p.reshape(b, h, nb, span // 2, span).astype(keys_w.dtype)
-        out = jnp.einsum("bhnqt,bntk->bnqhk", p, keys_w, precision=HI).reshape(b, nb * (span // 2), h, k)[:, :s]
-    else:
-        out = jnp.einsum("bhst,btk->bshk", probs[..., :t].astype(keys_w.dtype), keys_w, precision=HI)
-    if sel_BSkK is not None:
-        k = sel_BSkK.shape[2]
-        out = out + jnp.einsum("bhsj,bsjk->bshk", probs[..., t:t + k].astype(sel_BSkK.dtype), sel_BSkK, precision=HI)
-        t += k
-    if shared is not None:
-        out = out + jnp.einsum("bhst,btk->bshk", probs[..., t:-1].astype(keys_s.dtype), keys_s, precision=HI)
-    return out
-
-
 def kernel_impl(attn) -> str:
     """What `runtime.kernels` selects on this backend: 'pallas', 'pallas_interpret' or 'reference'."""
-    from dsv41.kernels import dispatch  # noqa: PLC0415 (the kernels import this module)
-
     return dispatch.resolve(attn.kernels, dispatch.platform(attn.policy.lowering.layout))
 
 
@@ -398,8 +268,6 @@ def _attend_kernel(attn, q_BSHK, ring, new, mask_w, picks_BSk, stores):
     """`attend_step` through the sparse-attention kernel: the window keys as stored bytes (the ring, then
     the new tokens' FP8 bytes; `mask_w` [B, S, W+S] says which each query sees) and the picked entries
     read from the layer's packed store (a window-only layer passes no picks)."""
-    from dsv41.kernels import dispatch  # noqa: PLC0415 (the kernels import this module)
-
     b, s, _, k = q_BSHK.shape
     values = jnp.concatenate([ring[0], new[0]], axis=1)
     scales = jnp.concatenate([ring[1], new[1]], axis=1)

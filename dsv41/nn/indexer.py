@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41 import quant
+from dsv41.kv_store import dequant_keys, gather_rows
 from dsv41.nn.compressor import CompressorV4
 from dsv41.nn.linear import Dense
 from dsv41.nn.norm import RMSNorm
@@ -182,3 +183,20 @@ def candidate_blocks(scores_BST, visible_count_BS, max_blocks: int, block: int):
 def blocks_to_entries(blocks_BSn, block: int, num_entries: int):
     """[B, S, T] bool: the entries of the kept blocks."""
     return jnp.repeat(blocks_BSn, block, axis=-1)[..., :num_entries]
+
+
+def pool_entries(block_ids_BSn, block: int, visible_BS):
+    """(entry ids [B, S, n·block], usable [B, S, n·block]): a pool block's entries, usable unless the
+    block is −1 or the entry is not yet visible."""
+    entry = (block_ids_BSn[..., None] * block + jnp.arange(block)).reshape(*block_ids_BSn.shape[:-1], -1)
+    ok = jnp.repeat(block_ids_BSn >= 0, block, axis=-1) & (entry < visible_BS[..., None])
+    return entry, ok
+
+
+def pool_gather_scores(q_BSJd, w_BSJ, store, block_ids_BSn, block: int, visible_BS, unroll: bool = False):
+    """Reindex scores over the gathered pool keys only: ([B, S, P] scores, [B, S, P] entry ids).
+
+    `store` is the Full layer's `CompressedKV`; only its index_keys and index_scales are read."""
+    entry, ok = pool_entries(block_ids_BSn, block, visible_BS)
+    keys = dequant_keys(gather_rows(store.index_keys, entry), gather_rows(store.index_scales, entry))
+    return lightning_scores_per_query(q_BSJd, keys, w_BSJ, ok, unroll), jnp.where(ok, entry, -1)
