@@ -185,7 +185,7 @@ def cmd_demo(args) -> int:
     from dsv41 import demo
 
     report = demo.run(args.config, args.prompt_tokens, args.new_tokens, args.chunk, args.seed,
-                      progress=lambda msg: print(f"\r{msg}", end="", file=sys.stderr, flush=True), depth=args.depth)
+                      progress=lambda msg: print(f"\r{msg:<40}", end="", file=sys.stderr, flush=True), depth=args.depth)
     print(file=sys.stderr)
     if args.json:
         print(json.dumps(report))
