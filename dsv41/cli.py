@@ -7,7 +7,7 @@ import dataclasses
 import json
 import sys
 
-from dsv41 import accounting, plan
+from dsv41 import accounting, compile_cache, plan
 from dsv41.config import family, load_config
 
 REPORT_CONFIGS = ("deepseek_v1_67b", "deepseek_v32", "v4_flash", "v41_flash")
@@ -23,6 +23,23 @@ def _add_config_args(p: argparse.ArgumentParser, default: str | None, repeat: bo
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set csa2.indexer.top_k=64 (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _add_compile_cache_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the commands that compile: JAX's persistent compilation cache (dsv41.compile_cache)."""
+    g = p.add_argument_group("compile cache", "Compiled programs are kept on disk, so a second run of the same "
+                             "shapes does not compile them again.").add_mutually_exclusive_group()
+    g.add_argument("--compile-cache", metavar="DIR",
+                   help=f"keep them in DIR (default: ${compile_cache.ENV}, else $XDG_CACHE_HOME/dsv41/jax or "
+                        f"~/.cache/dsv41/jax; {compile_cache.ENV}={compile_cache.OFF} turns the cache off)")
+    g.add_argument("--no-compile-cache", action="store_true", help="compile everything afresh, with no cache")
+
+
+def _use_compile_cache(args) -> None:
+    if args.no_compile_cache:
+        compile_cache.disable()
+    else:
+        compile_cache.enable(args.compile_cache, option="--compile-cache")
 
 
 def _ratio_text(x: float) -> str:
@@ -168,7 +185,7 @@ def cmd_demo(args) -> int:
     from dsv41 import demo
 
     report = demo.run(args.config, args.prompt_tokens, args.new_tokens, args.chunk, args.seed,
-                      progress=lambda msg: print(f"\r{msg}", end="", file=sys.stderr, flush=True), depth=args.depth)
+                      progress=lambda msg: print(f"\r{msg:<40}", end="", file=sys.stderr, flush=True), depth=args.depth)
     print(file=sys.stderr)
     if args.json:
         print(json.dumps(report))
@@ -244,14 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     train.add_parser(sub).set_defaults(func=train.run)
     convert.add_parser(sub).set_defaults(func=convert.run)
+    # Not compile-report: JAX writes its TPU programs to the cache but cannot load them back without a TPU.
     compile_report.add_parser(sub)
     passkey.add_parser(sub)
+    for name in ("demo", "generate", "train", "passkey"):
+        p = sub.choices[name]
+        _add_compile_cache_args(p)
+        p.set_defaults(compiles=True)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "compiles", False):
+            _use_compile_cache(args)
         return args.func(args)
     except ValueError as e:  # ConfigError and the generate arguments' errors: bad input, not a bug
         print(f"dsv41: error: {e}", file=sys.stderr)
