@@ -121,6 +121,50 @@ def test_sampler_draws_the_nucleus_distribution(temperature, top_p):
     assert (np.abs(freq - expected) <= 5 * sigma + 1e-12).all(), (freq, expected)
 
 
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 2, 1.0), (0.7, 3, 0.8), (1.0, 1, 1.0)])
+def test_sampler_draws_the_top_k_then_nucleus_distribution(temperature, top_k, top_p):
+    """20,000 draws (one key a row) against softmax(logits / T) cut to the top_k ids, renormalised, cut to
+    its nucleus and renormalised again (numpy, float64); ties go to the lower id."""
+    logits = np.array([2.0, 1.0, 0.5, -1.0, 1.0])
+    order = np.argsort(-logits, kind="stable")[:top_k]
+    p = np.zeros_like(logits)
+    p[order] = np.exp(logits[order] / temperature) / np.exp(logits[order] / temperature).sum()
+    before = np.cumsum(p[order]) - p[order]
+    nucleus = order[before < top_p] if top_p < 1 else order
+    expected = np.zeros_like(p)
+    expected[nucleus] = p[nucleus] / p[nucleus].sum()
+    n = 20_000
+    ids = np.asarray(gen.sample(np.tile(logits, (n, 1)).astype(np.float32), jax.random.key(1), temperature, top_p,
+                                top_k))
+    freq = np.bincount(ids, minlength=len(logits)) / n
+    sigma = np.sqrt(expected * (1 - expected) / n)
+    assert (np.abs(freq - expected) <= 5 * sigma + 1e-12).all(), (freq, expected)
+
+
+def test_the_device_loop_refuses_engram_configs(model):
+    cfg = dsv41.load_config("tiny", ["architecture.engram.layers=[1]"])
+    with pytest.raises(dsv41.ConfigError, match="architecture.engram.layers.*loop='host'"):
+        gen.generate(model[0], cfg, PROMPT, max_new_tokens=2, loop="device")
+
+
+@pytest.mark.slow
+def test_the_device_loop_equals_the_host_loop(model):
+    """Greedy, a ragged batch with per-row stops: `loop="device"` (lax.while_loop, blocks of 3 tokens, so a
+    row ends inside a block and the loop spans calls) gives the host loop's tokens; so does sampling with the
+    same seed (the same sampler and keys; a rounding-level logit difference could flip a draw, and did not
+    here)."""
+    prompts = [[104, 105, 3, 7, 9], [11, 12]]
+    run = lambda loop, **kw: gen.generate_batch(*model, prompts, max_new_tokens=7, chunk=4, loop=loop, block=3, **kw)
+    greedy = run("host")
+    assert run("device") == greedy
+    stop = greedy[0][2]
+    stopped = run("host", stop_tokens=[stop])
+    assert stopped[0] == greedy[0][:greedy[0].index(stop)]
+    assert run("device", stop_tokens=[stop]) == stopped
+    sampled = run("host", temperature=1.0, top_k=5, seed=3)
+    assert run("device", temperature=1.0, top_k=5, seed=3) == sampled != greedy
+
+
 @pytest.mark.slow
 def test_a_stop_token_ends_generation_and_is_not_returned(model, greedy):
     stop = greedy[1]
@@ -144,6 +188,9 @@ def test_a_stop_token_ends_generation_and_is_not_returned(model, greedy):
     ([1] * 600, {}, "maximum context length"),
     (PROMPT, {"vocab_limit": 0}, r"vocab_limit: 0: expected None or an integer in 1..256"),
     (PROMPT, {"vocab_limit": 300}, "vocab_limit: 300"),
+    (PROMPT, {"top_k": -1}, r"top_k: -1: expected an integer >= 0"),
+    (PROMPT, {"loop": "gpu"}, "loop: 'gpu': expected 'host' or 'device'"),
+    (PROMPT, {"loop": "device", "block": 0}, "block: 0: expected a positive integer"),
 ])
 @pytest.mark.slow
 def test_bad_requests_are_refused(model, prompt, kwargs, message):
