@@ -70,11 +70,8 @@ def _generate(params, cfg, prompts, *, max_new_tokens, temperature, top_p, top_k
               vocab_limit, token_map, on_token, on_prefill_progress, prefix_cache=None, loop="host", block=32):
     prompts = [list(p) for p in prompts]
     stop = set(check_request(cfg, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                             stop_tokens=stop_tokens, chunk=chunk, vocab_limit=vocab_limit, top_k=top_k))
-    if loop not in ("host", "device"):
-        raise ValueError(f"loop: {loop!r}: expected 'host' or 'device'")
-    if loop == "device":
-        check_device_loop(cfg, block)
+                             stop_tokens=stop_tokens, chunk=chunk, vocab_limit=vocab_limit, top_k=top_k, seed=seed,
+                             loop=loop, block=block))
     max_len = cache_length(cfg, max(map(len, prompts)) + max_new_tokens)
     if prefix_cache is not None:
         if prefix_cache.params is not params or model_lib.config_key(prefix_cache.cfg) != model_lib.config_key(cfg):
@@ -177,17 +174,6 @@ def sample(logits_BV, key, temperature, top_p, top_k: int = 0):
     return sample_rows(logits_BV, rows, jnp.zeros((b,), jnp.int32))
 
 
-def check_device_loop(cfg, block) -> None:
-    """Raises for what the on-device loop cannot run: Engram configs hash their n-grams on the host in
-    int64 (DESIGN §3.7), so each of their steps needs the host."""
-    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
-        raise ValueError(f"block: {block!r}: expected a positive integer (tokens per device-loop call)")
-    if list(cfg.architecture.engram.layers):
-        raise ConfigError("architecture.engram.layers", list(cfg.architecture.engram.layers),
-                          "expected no Engram layers for loop='device': their hash ids are computed on the host "
-                          "each step (use loop='host')")
-
-
 def _device_loop(params, cfg, cache, logits_BV, rows: Sampling, block: int, on_token):
     """Blocks of `block` tokens from `_sample_block` until every row is done; the host reads each block."""
     b = logits_BV.shape[0]
@@ -274,7 +260,7 @@ def cache_length(cfg, tokens: int) -> int:
 
 
 def check_request(cfg, prompts, *, max_new_tokens, temperature, top_p, stop_tokens, chunk,
-                  vocab_limit=None, top_k=0) -> list[int]:
+                  vocab_limit=None, top_k=0, seed=0, loop="host", block=32) -> list[int]:
     """Raises ValueError (naming the argument, the value and what was expected) for a request the model
     cannot serve; returns the stop tokens as a list of ints."""
     vocab = cfg.architecture.vocab_size
@@ -295,6 +281,17 @@ def check_request(cfg, prompts, *, max_new_tokens, temperature, top_p, stop_toke
         raise ValueError(f"top_p: {top_p!r}: expected a value in (0, 1]")
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
         raise ValueError(f"top_k: {top_k!r}: expected an integer >= 0 (0 keeps every id)")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed: {seed!r}: expected an integer in 0..{2**32 - 1}")
+    if loop not in ("host", "device"):
+        raise ValueError(f"loop: {loop!r}: expected 'host' or 'device'")
+    if loop == "device":
+        if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+            raise ValueError(f"block: {block!r}: expected a positive integer (tokens per device-loop call)")
+        if list(cfg.architecture.engram.layers):  # their hash ids are int64 NumPy on the host (DESIGN §3.7)
+            raise ConfigError("architecture.engram.layers", list(cfg.architecture.engram.layers),
+                              "expected no Engram layers for loop='device': their hash ids are computed on the "
+                              "host each step (use loop='host')")
     if vocab_limit is not None and not (isinstance(vocab_limit, int) and 0 < vocab_limit <= vocab):
         raise ValueError(f"vocab_limit: {vocab_limit!r}: expected None or an integer in 1..{vocab} (vocab_size)")
     stop = list(stop_tokens)

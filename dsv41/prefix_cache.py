@@ -45,7 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41 import engram_hash, schema, steps
-from dsv41.cache import Cache, init_cache
+from dsv41 import model as model_lib
+from dsv41.cache import Cache, init_cache, with_mirror
 from dsv41.errors import ConfigError
 from dsv41.plan import layer_plan
 
@@ -469,7 +470,7 @@ class PrefixCache:
             else:
                 replay_rows.append(row)
                 infos.append(RestoreInfo(n, "replay"))
-        cache = jax.tree.map(jnp.asarray, host)
+        cache = with_mirror(jax.tree.map(jnp.asarray, host), host.lengths, host.recent_tokens)
         if replay_rows:
             cache = self._replay(cache, prompts, n_cached, replay_rows, infos)
         return cache, n_cached, infos
@@ -549,7 +550,7 @@ class PrefixCache:
         token_map = self.token_map
         if token_map is None:
             token_map, _ = engram_hash.identity_token_map(self.cfg.architecture.vocab_size)
-        layout = engram_hash.EngramLayout.from_config(self.cfg)
+        layout = model_lib.engram_layout(self.cfg)
         out = []
         for row, p in enumerate(prompts):
             start = n_cached[row] - int(counts[row])

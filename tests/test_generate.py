@@ -191,6 +191,7 @@ def test_a_stop_token_ends_generation_and_is_not_returned(model, greedy):
     (PROMPT, {"top_k": -1}, r"top_k: -1: expected an integer >= 0"),
     (PROMPT, {"loop": "gpu"}, "loop: 'gpu': expected 'host' or 'device'"),
     (PROMPT, {"loop": "device", "block": 0}, "block: 0: expected a positive integer"),
+    (PROMPT, {"seed": 2**32}, "seed: 4294967296: expected an integer in 0..4294967295"),
 ])
 @pytest.mark.slow
 def test_bad_requests_are_refused(model, prompt, kwargs, message):
@@ -280,6 +281,15 @@ def test_cli_generate_streams_the_greedy_text(greedy_h, capsys):
 
 
 @pytest.mark.slow
+def test_cli_generate_on_the_device_loop_prints_the_same_text(greedy_h, capsys):
+    args = ["generate", "--config", "tiny", "--prompt", "h", "--max-new-tokens", "5", "--loop", "device", "--block", "2"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr()
+    assert out.out == ByteTokenizer().decode(greedy_h) + "\n"
+    assert "generated 5 tokens, prefill " in out.err and "decode 5 tokens in " in out.err
+
+
+@pytest.mark.slow
 def test_cli_generate_stops_at_a_stop_token(greedy_h, capsys):
     argv = ["generate", "--config", "tiny", "--prompt", "h", "--max-new-tokens", "5", "--stop", str(greedy_h[2])]
     assert cli.main(argv) == 0
@@ -316,6 +326,10 @@ def main_exit_code(argv) -> int:
     (["--prompt-file", "/nonexistent/prompt.txt"], "dsv41: error: --prompt-file: '/nonexistent/prompt.txt'"),
     (["--prompt", "hi", "--tokenizer", "/nonexistent/tokenizer.json"], "tokenizer: '/nonexistent/tokenizer.json'"),
     (["--prompt", "hi", "--max-new-tokens", "many"], "invalid int value: 'many'"),
+    (["--prompt", "hi", "--top-k", "-2"], "dsv41: error: top_k: -2: expected an integer >= 0"),
+    (["--prompt", "hi", "--loop", "device", "--block", "0"], "dsv41: error: block: 0: expected a positive integer"),
+    (["--prompt", "hi", "--loop", "gpu"], "invalid choice: 'gpu'"),
+    (["--prompt", "hi", "--seed", "-1"], "dsv41: error: seed: -1: expected an integer in 0..4294967295"),
     ([], "one of the arguments --prompt --prompt-file is required"),
 ])
 def test_cli_bad_arguments_exit_2(args, message, capsys):
