@@ -119,7 +119,7 @@ def _checks() -> dict:
                     for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(params)))
     positions = np.broadcast_to(np.arange(s, dtype=np.int32), tokens.shape)
     ref_loss, ref_grad = jax.jit(jax.value_and_grad(lambda q: sh.next_token_loss(
-        model_lib._forward(model_lib.config_key(cfg), q, tokens, positions, None), tokens)))(params)
+        model_lib.forward_body(model_lib.config_key(cfg), None, q, tokens, positions, None), tokens)))(params)
     loss, grad = sh.loss_and_grad(p, cfg, tokens, mesh, "train")
     shapes, args = sh._forward_inputs(cfg, mesh, "train", tokens, None, None)
     grad_fn = sh._jitted("grad", model_lib.config_key(cfg), mesh, sh._rules_key("train"), shapes)

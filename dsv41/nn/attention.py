@@ -97,7 +97,7 @@ class Attention(nnx.Module):
                       else ix.visible_entries(positions_BS, rec.ratio, entries.shape[1]))  # all (HCA)
             mask = jnp.concatenate([mask, chosen], axis=-1)
 
-        out = attend(q, keys, mask, self.attn_sink[...], self.head_dim ** -0.5)
+        out = attend_step(q, keys, mask, None, None, self.attn_sink[...], self.head_dim ** -0.5)
         out = apply_rope(out, positions_BS, inv_freq, inverse=True)
         grouped = out.reshape(b, s, self.groups, -1)
         y = jnp.einsum("bsgi,gio->bsgo", grouped.astype(self.policy.compute_dtype),
@@ -175,19 +175,6 @@ def window_mask(q_pos_BS, k_pos_BT, window: int):
     """[B, S, T] bool: key position in (q - window, q]."""
     delta = q_pos_BS[..., :, None] - k_pos_BT[..., None, :]
     return (delta >= 0) & (delta < window)
-
-
-def attend(q_BSHK, keys_BTK, mask_BST, sink_H, scale: float):
-    """One softmax with a per-head sink over the masked keys; a row with nothing valid gives 0."""
-    logits = jnp.einsum("bshk,btk->bhst", q_BSHK, keys_BTK, preferred_element_type=jnp.float32,
-                        precision=jax.lax.Precision.HIGHEST) * scale
-    logits = jnp.where(mask_BST[:, None], logits, NEG_INF)
-    sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[None, :, None, None], (*logits.shape[:-1], 1))
-    combined = jnp.concatenate([logits, sink], axis=-1)
-    combined = combined - jnp.max(combined, axis=-1, keepdims=True)
-    probs = jax.nn.softmax(combined, axis=-1)[..., :-1]
-    return jnp.einsum("bhst,btk->bshk", probs.astype(keys_BTK.dtype), keys_BTK,
-                      precision=jax.lax.Precision.HIGHEST)
 
 
 def window_keys(keys_BTK, key_pos_BT, key_ok_BT, positions_BS, window: int):
