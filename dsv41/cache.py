@@ -2,8 +2,11 @@
 
 Per Full layer (the layers that own a compressor): the packed FP4 main entries with their E4M3
 scales, the packed FP4 indexer keys with their UE8M0 scales, both [B, max_len // ratio, ·], and the
-compressor leftovers (fp32 wkv·x and wgate·x of the tokens of the unfinished group). Per layer: the
-FP8 window ring with its UE8M0 scales. Per sequence: its length, the candidate pool chosen at the
+compressor leftovers (fp32 wkv·x and wgate·x of the tokens of the unfinished group), stacked like the
+parameters: one `CompressedKV` per stack slot that owns a compressor (`store_slots`), each leaf with a
+leading layers axis [G, B, ·] over the stack's groups, so a scanned layer reads and writes its own
+slice in place (`layer_stores` gives the per-layer view). Per layer: the FP8 window ring with its
+UE8M0 scales, [L, B, W, ·] in layer order. Per sequence: its length, the candidate pool chosen at the
 last step and the last tokens the Engram n-gram hashes look back on. Every shape is static. The
 one-byte formats are kept as their bits (uint8): a gather then moves bytes and nothing converts a
 whole store (`quant.to_bytes` / `quant.from_bytes` convert).
@@ -33,13 +36,14 @@ import numpy as np
 from dsv41 import accounting, quant, schema
 from dsv41.errors import ConfigError
 from dsv41.nn import policy as policy_lib
-from dsv41.plan import layer_plan
+from dsv41.plan import layer_plan, layer_slot, layer_stacks
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class CompressedKV:
-    """The global KV of one Full layer (as packed; the float cache holds entries [B, T, K] and index_keys
+    """The global KV of the Full layers of one stack slot, each leaf [G, B, ·] (a leading layers axis over
+    the stack's groups; below, one layer's shapes. The float cache holds entries [B, T, K] and index_keys
     [B, T, dI] in the compute dtype and scale leaves [B, T, 0])."""
 
     entries: jax.Array        # uint8 [B, T, K/2]     FP4 E2M1, two per byte (even element low nibble)
@@ -71,7 +75,7 @@ class Cache:
     lengths: jax.Array        # int32 [B]           tokens seen per row
     window: jax.Array         # uint8 [L, B, W, K]     the bits of FP8 E4M3 values; slot p % W holds position p
     window_scales: jax.Array  # uint8 [L, B, W, K/32]  the bits of UE8M0 scales
-    compressed: tuple         # CompressedKV per Full layer, in layer order
+    compressed: tuple         # CompressedKV per stack slot that owns a compressor (`store_slots`), [G, B, ...]
     window_start: jax.Array   # int32 [L, B]          the first position each ring holds (CED replay start)
     pool_blocks: jax.Array    # int32 [B, max_blocks]  the candidate blocks of the last step (-1: none)
     recent_tokens: jax.Array  # int32 [B, max_ngram-1] the last tokens (Engram look-back), -1 before start
@@ -95,6 +99,44 @@ def with_mirror(cache: Cache, lengths, recent_tokens) -> Cache:
 
 def full_layers(cfg) -> tuple[int, ...]:
     return tuple(r.index for r in layer_plan(cfg) if r.stores_entries)
+
+
+def store_slots(cfg) -> tuple[tuple[int, int], ...]:
+    """(stack, slot) of each `Cache.compressed` entry: the stack slots whose layers own a compressor."""
+    plan = layer_plan(cfg)
+    return tuple((s, j) for s, st in enumerate(layer_stacks(cfg)) for j in range(st.slots)
+                 if plan[st.layers[0][j]].stores_entries)
+
+
+def store_of(cfg, layer: int) -> tuple[int, int]:
+    """(index into `Cache.compressed`, group on its leading axis) of a layer that owns a compressor."""
+    s, g, j = layer_slot(cfg, layer)
+    slots = store_slots(cfg)
+    if (s, j) not in slots:
+        raise ValueError(f"layer: {layer}: expected a layer that owns a compressor, one of {full_layers(cfg)}")
+    return slots.index((s, j)), g
+
+
+def layer_stores(cfg, cache) -> dict[int, CompressedKV]:
+    """{layer: its CompressedKV [B, ·]} sliced out of the stacked stores (for inspection and the prefix
+    cache; works on arrays, on NumPy copies of them (views) and on `abstract_cache` shapes)."""
+    def one(x, g):
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x[g]
+
+    out = {}
+    for i in full_layers(cfg):
+        k, g = store_of(cfg, i)
+        out[i] = jax.tree.map(lambda x: one(x, g), cache.compressed[k])
+    return out
+
+
+def with_layer_stores(cfg, cache, stores: dict) -> "Cache":
+    """The cache with the given layers' CompressedKV [B, ·] written into their stacked stores."""
+    compressed = list(cache.compressed)
+    for i, kv in stores.items():
+        k, g = store_of(cfg, i)
+        compressed[k] = jax.tree.map(lambda x, v: x.at[g].set(v), compressed[k], kv)
+    return dataclasses.replace(cache, compressed=tuple(compressed))
 
 
 def _shapes(cfg, batch: int, max_len: int) -> dict:
@@ -125,7 +167,7 @@ def _shapes(cfg, batch: int, max_len: int) -> dict:
             index_leftover=_sds((batch, 0, 0), jnp.float32),
         ))
     return _common(cfg, plan, batch, _sds((len(plan), batch, w, k), dtype),
-                   _sds((len(plan), batch, w, scales(k, quant.FP8_UE8M0_32)), jnp.uint8), compressed)
+                   _sds((len(plan), batch, w, scales(k, quant.FP8_UE8M0_32)), jnp.uint8), _stacked(cfg, compressed))
 
 
 def _shapes_v4(cfg, batch: int, max_len: int) -> dict:
@@ -150,7 +192,7 @@ def _shapes_v4(cfg, batch: int, max_len: int) -> dict:
             index_leftover=_sds((batch, held if csa else 0, 4 * d_i if csa else 0), jnp.float32),
         ))
     return _common(cfg, plan, batch, _sds((len(plan), batch, w, k), dtype), _sds((len(plan), batch, w, 0), jnp.uint8),
-                   compressed)
+                   _stacked(cfg, compressed))
 
 
 def _common(cfg, plan, batch: int, window, window_scales, compressed) -> dict:
@@ -165,6 +207,16 @@ def _common(cfg, plan, batch: int, window, window_scales, compressed) -> dict:
         pool_blocks=_sds((batch, pool), jnp.int32),
         recent_tokens=_sds((batch, a.engram.max_ngram - 1 if list(a.engram.layers) else 0), jnp.int32),
     )
+
+
+def _stacked(cfg, per_layer: list) -> list:
+    """Per-layer CompressedKV shapes (in layer order) -> one per store slot with a leading layers axis."""
+    by_layer = dict(zip(full_layers(cfg), per_layer))
+    out = []
+    for s, j in store_slots(cfg):
+        layers = [group[j] for group in layer_stacks(cfg)[s].layers]
+        out.append(jax.tree.map(lambda x: _sds((len(layers), *x.shape), x.dtype), by_layer[layers[0]]))
+    return out
 
 
 def _sds(shape, dtype):

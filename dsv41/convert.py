@@ -53,7 +53,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from dsv41 import transformers_io
+from dsv41 import stacking, transformers_io
 from dsv41.errors import ConfigError
 from dsv41.transformers_io import CheckpointError
 
@@ -216,7 +216,8 @@ def _abstract(key: str) -> tuple:
     from dsv41 import config as config_lib
     from dsv41 import model as model_lib
 
-    return tuple(nnx.to_flat_state(model_lib.abstract_params(config_lib.build(json.loads(key)))))
+    cfg = config_lib.build(json.loads(key))
+    return tuple(stacking.per_layer(model_lib.abstract_params(cfg), cfg))
 
 
 def _raise(unknown, missing, misshaped, more: str = "") -> None:
@@ -323,16 +324,18 @@ def _key(path) -> str:
     return ".".join(map(str, path))
 
 
-def save_params(params: nnx.State, path, dtype: str = "float32") -> int:
-    """Writes a parameter tree to one safetensors file (keys: dotted parameter paths; floating leaves in
-    `dtype`, "float32" or "bfloat16"; integer leaves as they are). Returns the bytes written."""
+def save_params(params: nnx.State, cfg, path, dtype: str = "float32") -> int:
+    """Writes a parameter tree to one safetensors file (keys: dotted per-layer parameter paths,
+    `layers.{i}.attn.wq_a.w`, whatever the stacks; floating leaves in `dtype`, "float32" or "bfloat16";
+    integer leaves as they are), so a file reads back whatever the stacks (`dsv41.stacking`). Returns the
+    bytes written."""
     from safetensors.numpy import save_file
 
     dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
     if dtype not in dtypes:
         raise ValueError(f"dtype: {dtype!r}: expected one of {list(dtypes)}")
     tensors = {}
-    for p, var in nnx.to_flat_state(params):
+    for p, var in stacking.per_layer(params, cfg):
         a = np.asarray(var.get_value())
         floating = jnp.issubdtype(a.dtype, jnp.floating)
         tensors[_key(p)] = np.ascontiguousarray(a.astype(dtypes[dtype]) if floating else a)
@@ -350,8 +353,8 @@ def load_params(path, cfg) -> nnx.State:
                  for k, (_, var) in expected.items()
                  if k in tensors and tuple(tensors[k].shape) != tuple(var.get_value().shape)]
     _raise(sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors)), misshaped)
-    return nnx.from_flat_state([(p, var.replace(jnp.asarray(tensors[k], dtype=var.get_value().dtype)))
-                                for k, (p, var) in expected.items()])
+    return stacking.from_per_layer({p: tensors[k] for k, (p, _) in expected.items()},
+                                   model_lib.abstract_params(cfg), cfg)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -399,7 +402,7 @@ def run(args) -> int:
         params = convert(tensors, cfg, progress)
     finally:
         bar.close()
-    size = save_params(params, args.out, args.dtype)
+    size = save_params(params, cfg, args.out, args.dtype)
     count = sum(int(np.prod(var.get_value().shape)) for _, var in nnx.to_flat_state(params))
     print(f"{args.out}: {count:,} parameters ({size / 1e6:.1f} MB, {args.dtype}) from {len(tensors)} tensors "
           f"in {time.perf_counter() - start:.1f} s", file=sys.stderr)

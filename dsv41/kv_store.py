@@ -9,6 +9,9 @@ step (`nn.attention_cache`) and the kernels' references (`dsv41.kernels`) read t
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 
 from dsv41 import quant
@@ -24,16 +27,60 @@ def ring_positions(lengths_B, window: int):
     return last - jnp.mod(last - jnp.arange(window), window)
 
 
-def write_rows(store, values_BNX, index_BN, keep_BN):
-    """store[b, index[b, n]] = values[b, n] where keep (others dropped)."""
+def write_rows(store, values_BNX, index_BN, keep_BN, layer=None):
+    """store[b, index[b, n]] = values[b, n] where keep (others dropped). With `layer` (an int or a traced
+    index), store is stacked [G, B, T, ...] and layer `layer` is written, in place."""
+    if layer is not None:
+        index = jnp.where(keep_BN, index_BN, store.shape[2])
+        return store.at[layer, _rows(index), index].set(values_BNX.astype(store.dtype), mode="drop")
     index = jnp.where(keep_BN, index_BN, store.shape[1])
     return store.at[_rows(index), index].set(values_BNX.astype(store.dtype), mode="drop")
 
 
-def gather_rows(store, index_BSk):
-    """store[b, index[b, s, j]] -> [B, S, k, ...] (index clamped; the caller masks invalid picks)."""
+def gather_rows(store, index_BSk, layer=None):
+    """store[b, index[b, s, j]] -> [B, S, k, ...] (index clamped; the caller masks invalid picks). With
+    `layer`, store is stacked [G, B, T, ...] and layer `layer` is read (no copy of the layer's leaf)."""
+    if layer is not None:
+        b = jnp.arange(store.shape[1])[:, None, None]
+        return store[layer, b, jnp.clip(index_BSk, 0, store.shape[2] - 1)]
     b = jnp.arange(store.shape[0])[:, None, None]
     return store[b, jnp.clip(index_BSk, 0, store.shape[1] - 1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStore:
+    """One layer's view of stacked store leaves (`cache.Cache`'s window ring [L, B, W, ·] or a stack
+    slot's `CompressedKV` [G, B, T, ·]): `leaves` {name: stacked array} and the layer's index on their
+    leading axis (an int, or traced inside a scan; None: the leaves are one layer's, unstacked). Reads and
+    writes go to that layer in place: a scanned layer neither copies nor re-stacks the store."""
+
+    leaves: dict
+    layer: object
+
+    def get(self, name: str):
+        """The layer's whole leaf [B, T, ·] (a dynamic slice under a scan)."""
+        x = self.leaves[name]
+        if self.layer is None:
+            return x
+        return x[self.layer] if isinstance(self.layer, int) else jax.lax.dynamic_index_in_dim(x, self.layer, 0, False)
+
+    def gather(self, name: str, index_BSk):
+        """The leaf's rows index[b, s, j] of each row b -> [B, S, k, ·] (see `gather_rows`)."""
+        return gather_rows(self.leaves[name], index_BSk, self.layer)
+
+    def write(self, name: str, values_BNX, index_BN, keep_BN) -> "LayerStore":
+        """The store with leaf[b, index[b, n]] = values[b, n] where keep (see `write_rows`)."""
+        return self.put_leaf(name, write_rows(self.leaves[name], values_BNX, index_BN, keep_BN, self.layer))
+
+    def put(self, name: str, value) -> "LayerStore":
+        """The store with the layer's whole leaf replaced by `value` [B, ·]."""
+        x = self.leaves[name]
+        if self.layer is None:
+            return self.put_leaf(name, value.astype(x.dtype))
+        return self.put_leaf(name, x.at[self.layer].set(value.astype(x.dtype)))
+
+    def put_leaf(self, name: str, stacked) -> "LayerStore":
+        return dataclasses.replace(self, leaves={**self.leaves, name: stacked})
 
 
 def packed(store) -> bool:

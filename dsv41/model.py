@@ -110,9 +110,10 @@ def _inputs(cfg, tokens, engram_ids_BSLC, token_map):
 
 
 def forward_with_intermediates(params: nnx.State, cfg, tokens, *, engram_ids_BSLC=None, token_map=None):
-    """(logits, intermediates): as `forward`, plus what the layers record for inspection — per layer
-    the collapsed attention input, the indexer picks, the candidate-pool blocks and the routed experts
-    (an `nnx.State` of `nnx.Intermediate` values keyed like the parameters)."""
+    """(logits, intermediates): as `forward`, plus what the layers record for inspection — per layer i,
+    intermediates[i] = {name: array} nested like the layer's modules: the collapsed attention input
+    ("attn_input"), the window keys, entries, indexer keys, picks and candidate-pool blocks (under
+    "attn") and the routed experts (under "ffn")."""
     tokens, positions, ids = _inputs(cfg, tokens, engram_ids_BSLC, token_map)
     return _forward(config_key(cfg), None, params, tokens, positions, ids, True)
 
@@ -121,8 +122,7 @@ def forward_body(key: str, lowering, params, tokens_BS, positions_BS, engram_ids
     """The traced body of `forward` (jit it with key, lowering and intermediates static; `dsv41.sharding`
     jits it with shardings): logits [B, S, V], and the recorded intermediates when asked."""
     model = nnx.merge(graphdef(key, lowering), params)
-    logits, recorded = nnx.capture(model, nnx.Intermediate)(tokens_BS, positions_BS, engram_ids_BSLC)
-    return (logits, recorded) if intermediates else logits
+    return model(tokens_BS, positions_BS, engram_ids_BSLC, record=intermediates)
 
 
 _forward = jax.jit(forward_body, static_argnums=(0, 1, 6))

@@ -56,7 +56,9 @@ def count_params(cfg) -> dict:
     abstract = model_lib.abstract_params(cfg)
     counts = {c: 0 for c in COMPONENTS}
     for path, var in nnx.to_flat_state(abstract):
-        counts[component(path)] += math.prod(var.get_value().shape)
+        names = tuple(k for k in path if isinstance(k, str))
+        per_layer = ("layers", *names[2:]) if names[:2] == ("stacks", "slots") else names  # a stack's paths
+        counts[component(per_layer)] += math.prod(var.get_value().shape)
     total = sum(counts.values())
     moe = cfg.architecture.moe
     a = cfg.architecture

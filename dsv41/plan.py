@@ -14,6 +14,7 @@ visible entry) layers, each its own source.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from dsv41 import schema
 from dsv41.errors import ConfigError
@@ -133,3 +134,87 @@ def counts(plan) -> dict[str, int]:
     for r in plan:
         out[r.mode] = out.get(r.mode, 0) + 1
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Layer stacks: the groups the model scans over (DESIGN §9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """`groups` identical groups of `slots` consecutive layers, run as one `lax.scan` over parameters
+    (and cache leaves) stacked on a leading layers axis of size `groups`; a stack of one group runs
+    unrolled. layers[g][j]: the layer at slot j of group g. The modules of slot j are built from the
+    records of group 0, whose layer numbers are what a group's layers call each other (a source outside
+    the stack is the same layer for every group)."""
+
+    layers: tuple[tuple[int, ...], ...]
+
+    @property
+    def groups(self) -> int:
+        return len(self.layers)
+
+    @property
+    def slots(self) -> int:
+        return len(self.layers[0])
+
+    @property
+    def first(self) -> int:
+        return self.layers[0][0]
+
+
+def _signature(r: LayerRecord, start: int, hash_layers: int, pools: set) -> tuple:
+    """What must agree for two layers to share a stack slot: their kind, and their sources relative to the
+    first layer of their group (inside the group) or as the same layer (outside it)."""
+    rel = lambda src: None if src is None else (("in", src - start) if src >= start else ("out", src))
+    return (r.stage, r.mode, r.ratio, r.engram and r.index, r.index < hash_layers, r.index in pools,
+            rel(r.kv_source), rel(r.index_source), rel(r.candidate_source))
+
+
+def layer_stacks(cfg) -> tuple[Stack, ...]:
+    """The plan cut into stacks, left to right: at each layer the run of repeated groups that covers the
+    most layers (a shorter group on ties), else the layer alone. Layers with Engram tables never stack
+    (each table has its own number of rows); a group whose layers are read by a later layer outside it
+    does not either (only a one-group stack hands its results on)."""
+    return _stacks(layer_plan(cfg), int(cfg.architecture.moe.hash_layers))
+
+
+@functools.lru_cache(maxsize=32)
+def _stacks(plan: tuple[LayerRecord, ...], hash_layers: int) -> tuple[Stack, ...]:
+    n = len(plan)
+    pools = {r.candidate_source for r in plan if r.candidate_source is not None}
+    readers = {}  # source layer -> the layers that read it
+    for r in plan:
+        for src in (r.kv_source, r.index_source, r.candidate_source):
+            if src is not None and src != r.index:
+                readers.setdefault(src, set()).add(r.index)
+    stacks, i = [], 0
+    while i < n:
+        best = (1, 1)  # (period, repeats)
+        for p in range(1, (n - i) // 2 + 1):
+            head = [_signature(plan[i + j], i, hash_layers, pools) for j in range(p)]
+            if any(plan[i + j].stage != plan[i].stage for j in range(p)):
+                break
+            reps = 1
+            while i + (reps + 1) * p <= n and all(
+                    _signature(plan[i + reps * p + j], i + reps * p, hash_layers, pools) == head[j]
+                    for j in range(p)):
+                reps += 1
+            while reps > 1 and any(reader >= i + reps * p for src in range(i, i + reps * p)
+                                   for reader in readers.get(src, ())):
+                reps -= 1
+            if reps > 1 and p * reps > best[0] * best[1]:
+                best = (p, reps)
+        p, reps = best
+        stacks.append(Stack(tuple(tuple(range(i + g * p, i + (g + 1) * p)) for g in range(reps))))
+        i += p * reps
+    return tuple(stacks)
+
+
+def layer_slot(cfg, layer: int) -> tuple[int, int, int]:
+    """(stack, group, slot) of a layer: where its parameters and cache leaves sit."""
+    for s, st in enumerate(layer_stacks(cfg)):
+        for g, group in enumerate(st.layers):
+            if layer in group:
+                return s, g, group.index(layer)
+    raise ValueError(f"layer: {layer}: expected 0..{num_layers(cfg) - 1}")

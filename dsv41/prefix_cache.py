@@ -46,7 +46,7 @@ import numpy as np
 
 from dsv41 import engram_hash, schema, steps
 from dsv41 import model as model_lib
-from dsv41.cache import Cache, init_cache, with_mirror
+from dsv41.cache import Cache, init_cache, layer_stores, with_mirror
 from dsv41.errors import ConfigError
 from dsv41.plan import layer_plan
 
@@ -368,17 +368,21 @@ class PrefixCache:
         are per-sequence state (kept at a block's end); found from the shapes, not from field names."""
         step = self.block
         a, b = init_cache(self.cfg, 1, step), init_cache(self.cfg, 1, 2 * step)
-        self.fields = [f.name for f in dataclasses.fields(a.compressed[0])]
-        self.per_entry = {f for f in self.fields
-                          if getattr(a.compressed[0], f).shape[1] != getattr(b.compressed[0], f).shape[1]}
+        a_kv, b_kv = self._stores(a), self._stores(b)
+        self.fields = [f.name for f in dataclasses.fields(a_kv[0])]
+        self.per_entry = {f for f in self.fields if getattr(a_kv[0], f).shape[1] != getattr(b_kv[0], f).shape[1]}
         self.empty_state = [{f: np.asarray(getattr(c, f))[0] for f in self.fields if f not in self.per_entry}
-                            for c in a.compressed]
+                            for c in a_kv]
         self.block_shapes = {f"{rec.index}/{f}": (getattr(c, f).shape[1:], getattr(c, f).dtype)
-                             for rec, c in zip(self.full, a.compressed) for f in self.per_entry}
+                             for rec, c in zip(self.full, a_kv) for f in self.per_entry}
         self.state_shapes = {f"{rec.index}/{f}": (x.shape, x.dtype) for rec, e in zip(self.full, self.empty_state)
                              for f, x in e.items()}
         self.ring_shapes = {n: (getattr(a, n)[:, 0].shape, getattr(a, n).dtype)
                             for n in ("window", "window_scales", "window_start")}
+
+    def _stores(self, cache: Cache) -> list:
+        """Each Full layer's CompressedKV [B, ·] in layer order (views into a host cache's stacked arrays)."""
+        return list(layer_stores(self.cfg, cache).values())
 
     # -- keys and the usable prefix ------------------------------------------------------------
 
@@ -404,7 +408,7 @@ class PrefixCache:
         if held != len(tokens):
             raise ValueError(f"tokens: {len(tokens)} ids: expected the {held} tokens cache row {row} holds")
         keys = self.keys(tokens)
-        comp = [{f: np.asarray(getattr(c, f)[row]) for f in self.fields} for c in cache.compressed]
+        comp = [{f: np.asarray(getattr(c, f)[row]) for f in self.fields} for c in self._stores(cache)]
         at_end = held % self.block == 0
         written = 0
         for k, key in enumerate(keys):
@@ -503,7 +507,7 @@ class PrefixCache:
     def _fill_row(self, host: Cache, row: int, prefix, blocks) -> None:
         n = len(prefix)
         host.lengths[row] = n
-        for rec, c, empty in zip(self.full, host.compressed, self.empty_state):
+        for rec, c, empty in zip(self.full, self._stores(host), self.empty_state):
             for f in self.fields:
                 name = f"{rec.index}/{f}"
                 if f in self.per_entry:

@@ -39,7 +39,7 @@ from dsv41.errors import ConfigError
 from dsv41.nn import moe as moe_lib
 from dsv41.nn import policy as policy_lib
 from dsv41.nn.policy import Lowering
-from dsv41.plan import layer_plan
+from dsv41.plan import layer_plan, layer_slot
 
 MESH_AXES = ("data", "expert", "tensor")
 
@@ -52,13 +52,13 @@ CACHE_AXES = {
     "pool_blocks": ("batch", "pool"),
     "recent_tokens": ("batch", "ngram"),
 }
-COMPRESSED_AXES = {
-    "entries": ("batch", "cache_seq", "kv"),
-    "entry_scales": ("batch", "cache_seq", "kv_scales"),
-    "index_keys": ("batch", "cache_seq", "index_dim"),
-    "index_scales": ("batch", "cache_seq", "index_scales"),
-    "leftover": ("batch", "group", "kv"),
-    "index_leftover": ("batch", "group", "index_dim"),
+COMPRESSED_AXES = {  # each leaf stacked over its stack's groups (dsv41.cache.store_slots)
+    "entries": ("layers", "batch", "cache_seq", "kv"),
+    "entry_scales": ("layers", "batch", "cache_seq", "kv_scales"),
+    "index_keys": ("layers", "batch", "cache_seq", "index_dim"),
+    "index_scales": ("layers", "batch", "cache_seq", "index_scales"),
+    "leftover": ("layers", "batch", "group", "kv"),
+    "index_leftover": ("layers", "batch", "group", "index_dim"),
 }
 
 # Every logical name the model and cache use; () = replicated. A name missing from a table is an error
@@ -311,19 +311,20 @@ def gather_engram_rows(cfg, params, ids_BSLC):
     layers = [r.index for r in layer_plan(cfg) if r.engram]
     tables = {}
     for j, i in enumerate(layers):
+        s_, g, slot = layer_slot(cfg, i)  # an Engram layer is a one-group stack (plan.layer_stacks)
         ids = jax.device_put(ids_BSLC[:, :, j].reshape(-1), jax.memory.Space.Host)
         with compute_on("device_host"):
             # in bounds by construction (hash ids < rows): no bound check, whose constants would live on the device
-            table = params["layers"][i]["engram"]["table"][...]
+            table = params["stacks"][s_]["slots"][slot]["engram"]["table"][...][g]
             rows = jax.lax.gather(table, ids[:, None], jax.lax.GatherDimensionNumbers(
                 offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,)), (1, table.shape[1]),
                 mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
-        tables[i] = jax.device_put(rows, jax.memory.Space.Device)
+        tables[(s_, slot)] = jax.device_put(rows[None], jax.memory.Space.Device)
 
     def swap(path, v):
         keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-        if len(keys) == 4 and keys[0] == "layers" and keys[2:] == ["engram", "table"] and keys[1] in tables:
-            return v.replace(tables[keys[1]])
+        if len(keys) == 6 and keys[0] == "stacks" and keys[4:] == ["engram", "table"] and (keys[1], keys[3]) in tables:
+            return v.replace(tables[(keys[1], keys[3])])
         return v
 
     params = jax.tree_util.tree_map_with_path(swap, params, is_leaf=_is_var)

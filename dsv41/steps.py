@@ -19,7 +19,8 @@ from flax import nnx
 
 from dsv41 import engram_hash, schema
 from dsv41 import model as model_lib
-from dsv41.cache import Cache, full_layers, host_view, with_mirror
+from dsv41.cache import Cache, CompressedKV, host_view, store_of, store_slots, with_mirror
+from dsv41.kv_store import LayerStore
 from dsv41.errors import ConfigError
 from dsv41.plan import layer_plan
 from dsv41.nn import mhc
@@ -29,7 +30,7 @@ from dsv41.nn.attention_cache import attention_step, write_entries
 def capacity(cfg, cache: Cache) -> int:
     """The number of tokens a cache row can hold (a window-only model: its context window)."""
     rec = next((r for r in layer_plan(cfg) if r.stores_entries), None)
-    return cfg.context_window if rec is None else cache.compressed[0].entries.shape[1] * rec.ratio
+    return cfg.context_window if rec is None else cache.compressed[0].entries.shape[2] * rec.ratio
 
 
 def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, final: bool = True):
@@ -139,25 +140,70 @@ def engram_inputs(cfg, recent_BL, tokens, counts, held, token_map=None):
     return jnp.asarray(np.concatenate(ids), jnp.int32), new_recent
 
 
-def _layers(model, blocks, x_BSND, pre, tokens_BS, positions, valid, lengths, published, stores, ids,
-            rings, starts, entries_ready=()):
-    """Runs `blocks` (layer indices) over the new tokens; rings/starts are updated in place (lists)."""
-    for i in blocks:
-        def attend(attn, h, i=i):
-            y, rings[i] = attention_step(attn, h, positions, valid, lengths, rings[i], starts[i], published, stores,
-                                         entries_ready=i in entries_ready)
-            return y
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What every layer of a step reads: the new tokens' positions [B, S] and validity [B, S], the tokens
+    each row held before them [B] (lengths), the tokens [B, S] (V4's hash-routed MoE) and Engram ids."""
 
-        ids_i = None if model.layers[i].engram is None else ids[:, :, model.engram_layers.index(i)]
-        x_BSND, pre = model.layers[i](x_BSND, pre, attend, ids_i, tokens_BS)  # tokens: V4's hash-routed MoE
-    return x_BSND, pre
+    positions: jax.Array
+    valid: jax.Array
+    lengths: jax.Array
+    tokens: jax.Array
+    engram_ids: jax.Array | None
+
+
+def _run(model, cfg, stage, carry, published, inputs: _Inputs, entries_ready=()):
+    """Runs the stacks of `stage` ("encoder", "decoder", or None: all) over the new tokens. carry =
+    (x [B,S,N,D], pre [B,S,N], window, window_scales, window_start, compressed): the streams and the
+    cache leaves, threaded through each stack's scan (every layer writes its own slice in place).
+    entries_ready: layers whose compressor already wrote these tokens' entries. Returns (carry, published)."""
+    plan = layer_plan(cfg)
+    slots = store_slots(cfg)
+    for s, st in enumerate(model.stacks):
+        spec = st.spec
+        if stage is not None and plan[spec.first].stage != stage:
+            continue
+        ready = [{group[j] in entries_ready for group in spec.layers} for j in range(spec.slots)]
+        if any(len(r) > 1 for r in ready):
+            raise ValueError(f"entries_ready: {sorted(entries_ready)}: expected all or none of the layers of a stack")
+
+        def group(blocks, g, carry, published, s=s, spec=spec, ready=ready):
+            x, pre, window, window_scales, window_start, compressed = carry
+            compressed = list(compressed)
+            for j, block in enumerate(blocks):
+                rec = block.attn.record  # group 0's: its sources inside the stack are this group's
+                layer = spec.first + g * spec.slots + j
+                ring = LayerStore({"values": window, "scales": window_scales}, layer)
+                stores, where = {}, {}
+                if rec.kv_source is not None:
+                    src = rec.kv_source
+                    if src in spec.layers[0]:
+                        k, src_group = slots.index((s, spec.layers[0].index(src))), g
+                    else:
+                        k, src_group = store_of(cfg, src)
+                    stores[src], where[src] = LayerStore(vars(compressed[k]).copy(), src_group), k
+
+                def attend(attn, h, ring=ring, layer=layer, stores=stores, j=j):
+                    return attention_step(attn, h, inputs.positions, inputs.valid, inputs.lengths, ring,
+                                          window_start[layer], published, stores, entries_ready=True in ready[j])
+
+                ids = None if block.engram is None else model.engram_column(spec.layers[g][j], inputs.engram_ids)
+                x, pre, ring = block(x, pre, attend, ids, inputs.tokens)
+                window, window_scales = ring.leaves["values"], ring.leaves["scales"]
+                for src, k in where.items():
+                    compressed[k] = CompressedKV(**stores[src].leaves)
+            return (x, pre, window, window_scales, window_start, tuple(compressed)), published
+
+        carry, published, _ = st.run(group, carry, published)
+    return carry, published
+
+
+def _carry(cache: Cache, x, pre):
+    return x, pre, cache.window, cache.window_scales, cache.window_start, cache.compressed
 
 
 def _embed(model, tokens_BS):
-    b, s = tokens_BS.shape
-    x = jnp.take(model.embed[...], tokens_BS, axis=0)
-    x_BSND = jnp.broadcast_to(x[:, :, None, :], (b, s, model.streams, x.shape[-1]))
-    return x_BSND, jax.nn.one_hot(jnp.zeros((b, s), jnp.int32), model.streams, dtype=jnp.float32)
+    return model.embed_tokens(tokens_BS)
 
 
 def _head(model, x_BSND, pre, counts_B):
@@ -167,22 +213,15 @@ def _head(model, x_BSND, pre, counts_B):
     return model.head(model.norm(h)[:, 0]).astype(jnp.float32)
 
 
-def _finish(cfg, cache, lengths, rings, starts, stores, published, counts_B):
+def _finish(cfg, cache, lengths, carry, published, counts_B):
+    _, _, window, window_scales, window_start, compressed = carry
     pool = cache.pool_blocks
     sources = [r.candidate_source for r in layer_plan(cfg) if r.candidate_source is not None]
     if sources and sources[0] in published:
         rows, last = jnp.arange(counts_B.shape[0]), jnp.maximum(counts_B - 1, 0)
         pool = jnp.where((counts_B > 0)[:, None], published[sources[0]]["pool_ids"][rows, last], pool)
-    return Cache(lengths=lengths, window=jnp.stack([r[0] for r in rings]),
-                 window_scales=jnp.stack([r[1] for r in rings]),
-                 compressed=tuple(stores[i] for i in full_layers(cfg)), window_start=jnp.stack(starts),
-                 pool_blocks=pool, recent_tokens=cache.recent_tokens)
-
-
-def _state(cfg, cache):
-    rings = [(cache.window[i], cache.window_scales[i]) for i in range(cache.window.shape[0])]
-    return rings, [cache.window_start[i] for i in range(cache.window.shape[0])], \
-        dict(zip(full_layers(cfg), cache.compressed))
+    return Cache(lengths=lengths, window=window, window_scales=window_scales, compressed=compressed,
+                 window_start=window_start, pool_blocks=pool, recent_tokens=cache.recent_tokens)
 
 
 def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
@@ -195,17 +234,14 @@ def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, eng
 
     def run(model):
         s = tokens_BS.shape[1]
-        positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)
-        valid = jnp.arange(s) < counts_B[:, None]
-        rings, starts, stores = _state(cfg, cache)
-        published: dict = {}
+        inputs = _Inputs(cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32), jnp.arange(s) < counts_B[:, None],
+                         cache.lengths, tokens_BS, engram_ids_BSLC)
         x, pre = _embed(model, tokens_BS)
-        x, pre = _layers(model, range(len(model.layers)), x, pre, tokens_BS, positions, valid, cache.lengths,
-                         published, stores, engram_ids_BSLC, rings, starts)
-        return _head(model, x, pre, counts_B), _finish(cfg, cache, cache.lengths + counts_B, rings, starts, stores,
-                                                       published, counts_B)
+        carry, published = _run(model, cfg, None, _carry(cache, x, pre), {}, inputs)
+        return _head(model, carry[0], carry[1], counts_B), _finish(cfg, cache, cache.lengths + counts_B, carry,
+                                                                   published, counts_B)
 
-    return nnx.capture(run, nnx.Intermediate)(model)[0]
+    return run(model)
 
 
 _step = jax.jit(step_body, static_argnums=(0, 1), donate_argnums=3)
@@ -218,40 +254,44 @@ def _ced(key, lowering, params, cache: Cache, tokens_BS, counts_B, engram_ids_BS
     model = nnx.merge(model_lib.graphdef(key, lowering), params)
     cfg = model_lib.config_from_key(key)
     plan = layer_plan(cfg)
-    encoder = [r.index for r in plan if r.stage == "encoder"]
     decoder = [r.index for r in plan if r.stage == "decoder"]
     source = decoder[0]  # validated: the decoder's only Full layer, first
 
-    def run(model):
-        b, s = tokens_BS.shape
-        positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)
-        valid = jnp.arange(s) < counts_B[:, None]
-        rings, starts, stores = _state(cfg, cache)
-        published: dict = {}
-        x, pre = _embed(model, tokens_BS)
-        x, pre = _layers(model, encoder, x, pre, tokens_BS, positions, valid, cache.lengths, published, stores,
-                         engram_ids_BSLC, rings, starts)
-        block = model.layers[source]
-        h = block.attn_norm(mhc.collapse(x, pre))
-        write_entries(block.attn, h, cache.lengths, counts_B, stores)
-        new_len = cache.lengths + counts_B
-        if not replay:
-            return None, _finish(cfg, cache, new_len, rings, starts, stores, published, counts_B)
-        # Each row's last `replay` tokens (fewer if the row brought fewer), left-aligned.
-        n = jnp.minimum(counts_B, replay)
-        first = counts_B - n
-        idx = jnp.clip(first[:, None] + jnp.arange(replay), 0, s - 1)
-        rows = jnp.arange(b)[:, None]
-        replay_valid = jnp.arange(replay) < n[:, None]
-        start = cache.lengths + first
-        for i in decoder:
-            starts[i] = jnp.where(n > 0, start, starts[i])
-        ids = None if engram_ids_BSLC is None else engram_ids_BSLC[rows, idx]
-        x, pre = _layers(model, decoder, x[rows, idx], pre[rows, idx], tokens_BS[rows, idx], positions[rows, idx],
-                         replay_valid, start, published, stores, ids, rings, starts, entries_ready=(source,))
-        return _head(model, x, pre, n), _finish(cfg, cache, new_len, rings, starts, stores, published, n)
+    b, s = tokens_BS.shape
+    positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)
+    valid = jnp.arange(s) < counts_B[:, None]
+    x, pre = _embed(model, tokens_BS)
+    carry, published = _run(model, cfg, "encoder", _carry(cache, x, pre), {},
+                            _Inputs(positions, valid, cache.lengths, tokens_BS, engram_ids_BSLC))
+    x, pre, window, window_scales, window_start, compressed = carry
+    block = model.layer(source)
+    k, g = store_of(cfg, source)
+    stores = {source: LayerStore(vars(compressed[k]).copy(), g)}
+    write_entries(block.attn, block.attn_norm(mhc.collapse(x, pre)), cache.lengths, counts_B, stores)
+    compressed = (*compressed[:k], CompressedKV(**stores[source].leaves), *compressed[k + 1:])
+    new_len = cache.lengths + counts_B
+    if not replay:
+        carry = (x, pre, window, window_scales, window_start, compressed)
+        return None, _finish(cfg, cache, new_len, carry, published, counts_B)
+    # Each row's last `replay` tokens (fewer if the row brought fewer), left-aligned.
+    n = jnp.minimum(counts_B, replay)
+    first = counts_B - n
+    idx = jnp.clip(first[:, None] + jnp.arange(replay), 0, s - 1)
+    rows = jnp.arange(b)[:, None]
+    start = cache.lengths + first
+    window_start = _restart(window_start, decoder, n > 0, start)
+    ids = None if engram_ids_BSLC is None else engram_ids_BSLC[rows, idx]
+    carry = (x[rows, idx], pre[rows, idx], window, window_scales, window_start, compressed)
+    carry, published = _run(model, cfg, "decoder", carry, published,
+                            _Inputs(positions[rows, idx], jnp.arange(replay) < n[:, None], start, tokens_BS[rows, idx],
+                                    ids), entries_ready=(source,))
+    return _head(model, carry[0], carry[1], n), _finish(cfg, cache, new_len, carry, published, n)
 
-    return nnx.capture(run, nnx.Intermediate)(model)[0]
+
+def _restart(window_start_LB, layers, when_B, start_B):
+    """window_start with the rings of `layers` restarting at start_B where when_B (a replayed span)."""
+    layers = jnp.asarray(layers)
+    return window_start_LB.at[layers].set(jnp.where(when_B[None], start_B[None], window_start_LB[layers]))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 7), donate_argnums=3)
@@ -267,32 +307,26 @@ def _replay(key, lowering, params, cache: Cache, tokens_BR, counts_B, engram_ids
     decoder = [r.index for r in plan if r.stage == "decoder"]
     ready = tuple(r.index for r in plan if r.stores_entries)
 
-    def run(model):
-        b, s = tokens_BR.shape
-        start = cache.lengths - counts_B
-        positions = start[:, None] + jnp.arange(s, dtype=jnp.int32)
-        valid = jnp.arange(s) < counts_B[:, None]
-        rings, starts, stores = _state(cfg, cache)
-        published: dict = {}
-        for i in encoder:
-            starts[i] = jnp.where(counts_B > 0, start, starts[i])
-        x, pre = _embed(model, tokens_BR)
-        x, pre = _layers(model, encoder, x, pre, tokens_BS=tokens_BR, positions=positions, valid=valid,
-                               lengths=start, published=published, stores=stores, ids=engram_ids_BRLC,
-                               rings=rings, starts=starts, entries_ready=ready)
-        if not dec:
-            return _finish(cfg, cache, cache.lengths, rings, starts, stores, published, counts_B * 0)
-        n = jnp.minimum(counts_B, dec)
-        first = counts_B - n
-        idx = jnp.clip(first[:, None] + jnp.arange(dec), 0, s - 1)
-        rows = jnp.arange(b)[:, None]
-        dstart = cache.lengths - n
-        for i in decoder:
-            starts[i] = jnp.where(n > 0, dstart, starts[i])
-        ids = None if engram_ids_BRLC is None else engram_ids_BRLC[rows, idx]
-        _layers(model, decoder, x[rows, idx], pre[rows, idx], tokens_BS=tokens_BR[rows, idx],
-                      positions=positions[rows, idx], valid=jnp.arange(dec) < n[:, None], lengths=dstart,
-                      published=published, stores=stores, ids=ids, rings=rings, starts=starts, entries_ready=ready)
-        return _finish(cfg, cache, cache.lengths, rings, starts, stores, published, n)
-
-    return nnx.capture(run, nnx.Intermediate)(model)[0]
+    b, s = tokens_BR.shape
+    start = cache.lengths - counts_B
+    positions = start[:, None] + jnp.arange(s, dtype=jnp.int32)
+    valid = jnp.arange(s) < counts_B[:, None]
+    x, pre = _embed(model, tokens_BR)
+    carry = _carry(cache, x, pre)
+    carry = (*carry[:4], _restart(carry[4], encoder, counts_B > 0, start), carry[5])
+    carry, published = _run(model, cfg, "encoder", carry, {},
+                            _Inputs(positions, valid, start, tokens_BR, engram_ids_BRLC), entries_ready=ready)
+    if not dec:
+        return _finish(cfg, cache, cache.lengths, carry, published, counts_B * 0)
+    x, pre = carry[0], carry[1]
+    n = jnp.minimum(counts_B, dec)
+    first = counts_B - n
+    idx = jnp.clip(first[:, None] + jnp.arange(dec), 0, s - 1)
+    rows = jnp.arange(b)[:, None]
+    dstart = cache.lengths - n
+    carry = (x[rows, idx], pre[rows, idx], *carry[2:4], _restart(carry[4], decoder, n > 0, dstart), carry[5])
+    ids = None if engram_ids_BRLC is None else engram_ids_BRLC[rows, idx]
+    carry, published = _run(model, cfg, "decoder", carry, published,
+                            _Inputs(positions[rows, idx], jnp.arange(dec) < n[:, None], dstart, tokens_BR[rows, idx],
+                                    ids), entries_ready=ready)
+    return _finish(cfg, cache, cache.lengths, carry, published, n)

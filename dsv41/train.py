@@ -37,10 +37,9 @@ from dsv41 import model as model_lib
 from dsv41 import schema
 from dsv41.errors import ConfigError
 from dsv41.nn import indexer as ix
-from dsv41.nn import mhc
 from dsv41.nn.moe import BalanceBias
 from dsv41.nn.rope import apply_rope
-from dsv41.plan import FULL, REINDEX, layer_plan
+from dsv41.plan import FULL, REINDEX, layer_plan, layer_stacks
 
 REMAT = ("none", "block", "dots")
 KL_OVER = ("selectable", "selected")
@@ -150,49 +149,20 @@ def abstract_state(cfg, tc: TrainConfig) -> TrainState:
 # The forward with what the losses need
 
 
-def _rows(recorded) -> list[dict]:
-    """Per layer {name: array} of what the layer sowed (`forward_with_intermediates` keys)."""
-    out = []
-    for layer in recorded:
-        flat = {}
-        for path, v in nnx.to_flat_state(layer):
-            value = v.get_value()
-            flat[path[-1]] = value[0] if isinstance(value, tuple) else value  # sow appends to a tuple
-        out.append(flat)
-    return out
-
-
 def _forward_records(model, tokens_BS, positions_BS, remat: str, engram_ids_BSLC=None):
-    """(logits [B,S,V], per-layer records) — the model's own __call__, or per-block checkpointed."""
-    if remat == "none":
-        logits, recorded = nnx.capture(model, nnx.Intermediate)(tokens_BS, positions_BS, engram_ids_BSLC)
-        return logits, _rows([recorded["layers"][i] for i in range(len(model.layers))])
-    # Per-block rematerialisation: the same loop as `Transformer.__call__`, each block a checkpointed
-    # pure function of (its variables, the streams, what earlier layers published).
-    policy = None if remat == "block" else jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    x = jnp.take(model.embed[...], tokens_BS, axis=0)
-    x_BSND = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], model.streams, x.shape[-1]))
-    pre = jax.nn.one_hot(jnp.zeros(tokens_BS.shape, jnp.int32), model.streams, dtype=jnp.float32)
-    published: dict = {}
-    rows = []
-    for layer in model.layers:
-        graphdef, variables = nnx.split(layer)
-        ids = None
-        if layer.engram is not None:
-            ids = engram_ids_BSLC[:, :, model.engram_layers.index(layer.attn.record.index)]
+    """(logits [B,S,V], per-layer records {name: array}): the model's own forward, each stack group
+    rematerialised under `remat` ("block": save nothing, "dots": save the weight matmuls)."""
+    policy = {"none": None, "block": "all", "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[remat]
+    logits, records = model(tokens_BS, positions_BS, engram_ids_BSLC, record=True, remat=policy)
+    return logits, [_flat(r) for r in records]
 
-        @functools.partial(jax.checkpoint, policy=policy)
-        def block(variables, x_BSND, pre, published, ids):
-            layer = nnx.merge(graphdef, variables)
-            published = dict(published)
-            (x_BSND, pre), recorded = nnx.capture(layer, nnx.Intermediate)(
-                x_BSND, pre, lambda attn, h: attn(h, positions_BS, published), ids, tokens_BS)
-            return x_BSND, pre, published, recorded
 
-        x_BSND, pre, published, recorded = block(variables, x_BSND, pre, published, ids)
-        rows.extend(_rows([recorded]))
-    h = model.norm(model.hc_head(x_BSND) if model.hc_head is not None else mhc.collapse(x_BSND, pre))
-    return model.head(h).astype(jnp.float32), rows
+def _flat(record: dict) -> dict:
+    """{leaf name: array} of one layer's nested record (the names are unique within a layer)."""
+    out = {}
+    for key, value in record.items():
+        out.update(_flat(value) if isinstance(value, dict) else {key: value})
+    return out
 
 
 def indexer_kl(model, rows: list[dict], positions_BS, kl_over: str):
@@ -206,10 +176,13 @@ def indexer_kl(model, rows: list[dict], positions_BS, kl_over: str):
     """
     total, count = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
     sg = jax.lax.stop_gradient
-    for block, row in zip(model.layers, rows):
+    for i, row in enumerate(rows):
+        rec = model.plan[i]  # the layer's own record (a stacked module holds its first group's)
+        if rec.mode not in (FULL, REINDEX):
+            continue
+        block = model.layer(i)
         attn = block.attn
-        rec = attn.record
-        if rec.mode not in (FULL, REINDEX) or attn.indexer is None:
+        if attn.indexer is None:
             continue
         inv = np.asarray(attn.inv_freq, np.float32)
         cinv = np.asarray(attn.compressed_inv_freq, np.float32)
@@ -241,8 +214,9 @@ def indexer_kl(model, rows: list[dict], positions_BS, kl_over: str):
         probs = jax.nn.softmax(logits, axis=-1)[..., s:s + n].sum(axis=1)  # [B, S, T]
         target = sg(probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30))
         # Prediction: the indexer on detached inputs; keys from the kv_source's indexer.
-        source = model.layers[rec.kv_source].attn
-        latent = sg(source.compressor(model.layers[rec.kv_source].attn_norm(rows[rec.kv_source]["attn_input"])))
+        source_block = model.layer(rec.kv_source)
+        source = source_block.attn
+        latent = sg(source.compressor(source_block.attn_norm(rows[rec.kv_source]["attn_input"])))
         keys = source.indexer.keys(latent, ix.entry_positions(latent, rec.ratio), cinv, attn.fake_quant)
         scores = attn.indexer.scores(x, qr, positions_BS, keys, allowed, cinv, attn.fake_quant)
         log_q = jax.nn.log_softmax(scores, axis=-1)
@@ -257,10 +231,10 @@ def indexer_kl(model, rows: list[dict], positions_BS, kl_over: str):
 def expert_load(model, rows: list[dict]) -> dict[int, jax.Array]:
     """{layer: tokens routed to each expert [E] (fp32)} for the layers with a BalanceBias."""
     out = {}
-    for i, (block, row) in enumerate(zip(model.layers, rows)):
-        if block.ffn.bias is not None:
-            idx = row["experts"].reshape(-1)
-            out[i] = jnp.zeros((block.ffn.num_experts,), jnp.float32).at[idx].add(1.0)
+    for i, row in enumerate(rows):
+        ffn = model.layer(i).ffn
+        if ffn.bias is not None:
+            out[i] = jnp.zeros((ffn.num_experts,), jnp.float32).at[row["experts"].reshape(-1)].add(1.0)
     return out
 
 
@@ -338,9 +312,9 @@ def make_train_step(cfg, tc: TrainConfig):
             return (jax.tree.map(jnp.add, grads, g), ce + c, kl + k, jax.tree.map(jnp.add, load, l)), None
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
-        load0 = {i: jnp.zeros((blk.ffn.num_experts,), jnp.float32)
-                 for i, blk in enumerate(nnx.merge(graphdef, state.params, state.buffers).layers)
-                 if blk.ffn.bias is not None}
+        model = nnx.merge(graphdef, state.params, state.buffers)
+        load0 = {i: jnp.zeros((model.layer(i).ffn.num_experts,), jnp.float32)
+                 for i in range(model.num_layers) if model.layer(i).ffn.bias is not None}
         (grads, ce_sum, kl_sum, load), _ = jax.lax.scan(
             accumulate, (zeros, jnp.zeros(()), jnp.zeros(()), load0), micro)
         updates, opt_state = opt.update(grads, state.opt_state, state.params)
@@ -349,7 +323,7 @@ def make_train_step(cfg, tc: TrainConfig):
                 lambda path, u: u if any(getattr(k, "key", None) == "indexer" for k in path) else jnp.zeros_like(u),
                 updates)
         params = optax.apply_updates(state.params, updates)
-        buffers, imbalance = update_balance(state.buffers, load, tc.balance_rate)
+        buffers, imbalance = update_balance(cfg, state.buffers, load, tc.balance_rate)
         ce, kl = ce_sum / n_tokens, kl_sum / n_rows
         metrics = {"loss": (0.0 if tc.freeze_main else ce) + tc.indexer_kl_weight * kl, "ce": ce, "kl": kl,
                    "grad_norm": optax.tree.norm(grads), "lr": lr(state.step), "tokens": n_tokens,
@@ -367,16 +341,18 @@ def make_train_step(cfg, tc: TrainConfig):
     return checked
 
 
-def update_balance(buffers: nnx.State, load: dict[int, jax.Array], rate: float):
-    """(buffers with bias_e += rate · sign(mean load − load_e) in every MoE layer, mean relative imbalance)."""
+def update_balance(cfg, buffers: nnx.State, load: dict[int, jax.Array], rate: float):
+    """(buffers with bias_e += rate · sign(mean load − load_e) in every MoE layer, mean relative imbalance).
+    load: {layer: tokens routed to each expert [E]}; a stacked bias [G, E] takes its G layers' loads."""
     flat = dict(nnx.to_flat_state(buffers))
+    stacks = layer_stacks(cfg)
     imbalances = []
     for path, var in flat.items():
         if not isinstance(var, BalanceBias):
             continue
-        counts = load[int(path[1])]
-        mean = jnp.mean(counts)
-        imbalances.append(jnp.mean(jnp.abs(counts - mean)) / jnp.maximum(mean, 1.0))
+        counts = jnp.stack([load[group[path[3]]] for group in stacks[path[1]].layers])  # [G, E]
+        mean = jnp.mean(counts, axis=-1, keepdims=True)
+        imbalances.extend(jnp.mean(jnp.abs(counts - mean), axis=-1) / jnp.maximum(mean[:, 0], 1.0))
         var = var.replace(var[...] + rate * jnp.sign(mean - counts))
         flat[path] = var
     out = nnx.from_flat_state(list(flat.items()))
@@ -566,7 +542,7 @@ def run(args) -> int:
     out = {"steps": args.steps, "seconds": time.time() - t0, "final": history[-1] if history else None}
     if args.export:
         from dsv41.convert import save_params
-        out["exported_bytes"] = save_params(nnx.merge_state(state.params, state.buffers), args.export,
+        out["exported_bytes"] = save_params(nnx.merge_state(state.params, state.buffers), cfg, args.export,
                                             args.export_dtype)
     if held_out:
         last = history[-1] if history else {}

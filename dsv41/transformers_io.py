@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv41 import stacking
 from dsv41 import config as config_lib
 from dsv41 import transformers_v4
 from dsv41.errors import ConfigError
@@ -166,7 +167,7 @@ def params_from_transformers(state_dict: Mapping, cfg) -> nnx.State:
     else:
         rules, ignored = V41_RULES, V41_IGNORED
     abstract = model_lib.abstract_params(cfg)
-    expected = {path: var for path, var in nnx.to_flat_state(abstract)}
+    expected = dict(stacking.per_layer(abstract, cfg))  # per layer: the names speak of layers
     values: dict[tuple, np.ndarray] = {}
     experts: dict[tuple, dict[int, np.ndarray]] = {}
     unknown, misshaped = [], []
@@ -224,6 +225,4 @@ def params_from_transformers(state_dict: Mapping, cfg) -> nnx.State:
             + (f"\n  unknown tensors ({len(unknown)}): {sorted(unknown)}" if unknown else "")
             + (f"\n  missing parameters ({len(missing)}): {sorted(missing)}" if missing else "")
             + (f"\n  misshaped ({len(misshaped)}): {misshaped}" if misshaped else ""))
-    flat = [(path, var.replace(jnp.asarray(values[path], dtype=var.get_value().dtype)))
-            for path, var in expected.items()]
-    return nnx.from_flat_state(flat)
+    return stacking.from_per_layer(values, abstract, cfg)

@@ -26,7 +26,6 @@ per-byte scales gathered by index (no where-chain), scores written compact.
 from __future__ import annotations
 
 import functools
-import types
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
 from dsv41.kernels import indexer_scores as isc
+from dsv41.kv_store import LayerStore
 from dsv41.nn import indexer as ix
 
 NEG_INF = float("-inf")
@@ -229,8 +229,8 @@ def pool_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, b
 def pool_scores_reference(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, block: int,
                           positions_BS, ratio: int):
     """`indexer.pool_gather_scores`, with −1 ids where an entry is unusable."""
-    # pool_gather_scores reads only the index store of its CompressedKV.
-    store = types.SimpleNamespace(index_keys=index_keys_BTh, index_scales=index_scales_BTc)
+    # pool_gather_scores reads only the index store of its Full layer.
+    store = LayerStore({"index_keys": index_keys_BTh, "index_scales": index_scales_BTc}, None)
     visible = (positions_BS + 1) // ratio
     return ix.pool_gather_scores(q_BSJd, w_BSJ, store, block_ids_BSn, block, visible)
 

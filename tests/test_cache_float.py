@@ -69,7 +69,7 @@ def test_cache_leaves_are_floats_for_quant_none_and_packed_for_qat():
                                                                         (layers, 2, w, 0))
     assert (q.window.shape, q.window.dtype, q.window_scales.shape) == ((layers, 2, w, k), jnp.uint8,
                                                                         (layers, 2, w, k // 32))
-    for ratio, fc, qc in zip((2, 1), f.compressed, q.compressed):
+    for ratio, fc, qc in zip((2, 1), cache_lib.layer_stores(none, f).values(), cache_lib.layer_stores(qat, q).values()):
         t = MAX_LEN // ratio
         assert [(x.shape, x.dtype) for x in (fc.entries, fc.entry_scales, fc.index_keys, fc.index_scales)] == [
             ((2, t, k), jnp.float32), ((2, t, 0), jnp.uint8), ((2, t, d_i), jnp.float32), ((2, t, 0), jnp.uint8)]
@@ -92,7 +92,7 @@ def test_chunked_prefill_and_decode_equal_the_teacher_forced_forward(model):
     errors, c = _prefill_and_decode(cfg, params, ids, ref)
     assert max(errors) <= TOL, errors
     assert c.lengths.tolist() == [LENGTHS[0] + DECODE, LENGTHS[1] + DECODE]
-    assert c.window.dtype == jnp.float32 and c.compressed[0].entries.dtype == jnp.float32
+    assert c.window.dtype == jnp.float32 and c.compressed[0].entries.dtype == jnp.float32  # [G, B, T, K]
 
 
 @pytest.mark.slow

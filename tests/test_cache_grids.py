@@ -39,12 +39,12 @@ def blocks(values, scales, block):
 
 
 def recorded(inter, layer, name):
-    return np.asarray(inter["layers"][layer]["attn"][name].get_value()[0])[0]
+    return np.asarray(inter[layer]["attn"][name])[0]
 
 
 def test_main_entries_and_indexer_keys(both):
     cfg, inter, cache = both
-    for store, layer in zip(cache.compressed, cache_lib.full_layers(cfg)):
+    for layer, store in cache_lib.layer_stores(cfg, cache).items():
         ratio = dict((r.index, r.ratio) for r in cache_lib.layer_plan(cfg))[layer]
         t = N // ratio
         e4m3 = np.asarray(store.entry_scales)[0, :t].view(ml_dtypes.float8_e4m3fn).astype(np.float64)

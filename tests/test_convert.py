@@ -10,7 +10,6 @@ import argparse
 import json
 import re
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from conftest import DATA
-from dsv41 import convert, model, transformers_io
+from dsv41 import convert, model, stacking, transformers_io
 from dsv41.config import load_config
 from dsv41.errors import ConfigError
 from dsv41.transformers_io import CheckpointError
@@ -175,7 +174,7 @@ def case(tmp_path_factory):
     abstract = model.abstract_params(cfg)
     rng = np.random.default_rng(0)
     tensors, shapes = {}, {}
-    for path, var in nnx.to_flat_state(abstract):
+    for path, var in stacking.per_layer(abstract, cfg):  # the official names speak of layers
         shape = shapes[path] = var.get_value().shape
         # Norms near 1, everything else small, as a trained model's; the values only need a sane forward.
         a = 1 + 0.1 * rng.standard_normal(shape) if path[-1] == "weight" else 0.05 * rng.standard_normal(shape)
@@ -188,8 +187,7 @@ def case(tmp_path_factory):
         save_file({n: tensors[n] for n in part}, str(root / file))
     (root / convert.INDEX).write_text(json.dumps({"weight_map": {n: f for f, part in shards.items() for n in part}}))
     values = decode(tensors)
-    oracle = nnx.from_flat_state([(p, var.replace(jnp.asarray(from_official(p, shapes[p], values))))
-                                  for p, var in nnx.to_flat_state(abstract)])
+    oracle = stacking.from_per_layer({p: from_official(p, shapes[p], values) for p in shapes}, abstract, cfg)
     return cfg, tensors, root, oracle
 
 
@@ -270,7 +268,7 @@ def test_out_of_scope_tensors_are_skipped(case):
 
 def test_saved_params_load_back_exactly(case, tmp_path):
     cfg, _, _, oracle = case
-    assert convert.save_params(oracle, tmp_path / "p.safetensors") == (tmp_path / "p.safetensors").stat().st_size
+    assert convert.save_params(oracle, cfg, tmp_path / "p.safetensors") == (tmp_path / "p.safetensors").stat().st_size
     want, got = flat(oracle), flat(convert.load_params(tmp_path / "p.safetensors", cfg))
     for path, value in got.items():
         np.testing.assert_array_equal(value, want[path], err_msg=str(path))

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import dsv41
-from dsv41 import model, params
+from dsv41 import model, params, stacking
 
 
 def v41_formula(cfg):
@@ -57,7 +57,7 @@ def test_full_size_against_the_published_figures():
 def test_reuse_layers_own_no_kv_or_indexer_parameters():
     cfg = dsv41.load_config("v41_flash")
     owned = {}
-    for path, _ in nnx.to_flat_state(model.abstract_params(cfg)):
+    for path, _ in stacking.per_layer(model.abstract_params(cfg), cfg):
         if path[0] == "layers" and path[2] == "attn" and path[3] in ("compressor", "indexer"):
             owned.setdefault(path[1], set()).add(path[3] if path[3] == "compressor" else "/".join(map(str, path[3:5])))
     for r in dsv41.layer_plan(cfg):

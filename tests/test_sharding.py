@@ -71,7 +71,8 @@ def _checks() -> dict:
         ref_steps.append(np.asarray(logits))
     ref_cache = jax.tree.map(np.asarray, cache)
 
-    out = {"meshes": [], "layers": len(dsv41.layer_plan(cfg))}
+    # A stack's group is traced once (plan.layer_stacks): one shard_map per traced MoE layer.
+    out = {"meshes": [], "layers": sum(st.slots for st in dsv41.plan.layer_stacks(cfg))}
     lap("reference")
     for shape in MESHES:
         mesh = sh.make_mesh(shape)
@@ -92,7 +93,7 @@ def _checks() -> dict:
                   "decode": shard_maps(sh._jitted("step", key, mesh, rules, ((b, 1), None, cap)), *step_args)}
         cache_diff = max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max(initial=0.0))
                          for x, y in zip(jax.tree.leaves(c), jax.tree.leaves(ref_cache)))
-        layer = p["layers"][2]
+        layer = p["stacks"][1]["slots"][0]  # layer 2 (after the two window-only layers' stack)
         out["meshes"].append({
             "shape": shape,
             "forward": float(np.abs(fwd - ref_fwd).max()),
@@ -130,9 +131,9 @@ def _checks() -> dict:
         "grad": max(float(np.abs(np.asarray(x) - np.asarray(y)).max(initial=0.0))
                     for x, y in zip(jax.tree.leaves(grad), jax.tree.leaves(ref_grad))),
         "grad_scale": max(float(np.abs(np.asarray(y)).max(initial=0.0)) for y in jax.tree.leaves(ref_grad)),
-        "specs": {"ffn.w1": str(p["layers"][2]["ffn"]["w1"][...].sharding.spec),
-                  "grad.ffn.w1": str(grad["layers"][2]["ffn"]["w1"][...].sharding.spec),
-                  "attn.wq_b": str(p["layers"][2]["attn"]["wq_b"]["w"][...].sharding.spec),
+        "specs": {"ffn.w1": str(p["stacks"][1]["slots"][0]["ffn"]["w1"][...].sharding.spec),
+                  "grad.ffn.w1": str(grad["stacks"][1]["slots"][0]["ffn"]["w1"][...].sharding.spec),
+                  "attn.wq_b": str(p["stacks"][1]["slots"][0]["attn"]["wq_b"]["w"][...].sharding.spec),
                   "embed": str(p["embed"][...].sharding.spec)},
     }
     lap("train")
@@ -176,7 +177,8 @@ def _kernel_checks() -> dict:
                            ((b, 1), None, cap)).trace(*step_args).jaxpr)
     got.append(np.asarray(sh.decode(p, kcfg, c, nxt, mesh=mesh, rules="serve")[0]))
     return {"steps": [float(np.abs(x - y).max()) for x, y in zip(got, ref)],
-            "pallas_calls": jaxpr.count("pallas_call"), "shard_maps": jaxpr.count("shard_map[")}
+            "pallas_calls": jaxpr.count("pallas_call"), "shard_maps": jaxpr.count("shard_map["),
+            "traced_layers": sum(st.slots for st in dsv41.plan.layer_stacks(cfg))}
 
 
 @pytest.mark.slow
@@ -185,9 +187,11 @@ def test_kernels_run_per_device_under_a_mesh():
     rows, and the sharded steps with kernels equal one device's reference path within 1e-5."""
     r = _run("kernels")
     assert len(r["steps"]) == 2 and max(r["steps"]) < TOL, r
-    # decode: 5 attention kernels, 2 indexer/pool passes, 1 Reindex pool scoring — each in its own
-    # shard_map, beside the 5 MoE layers' (observed: 8 pallas_calls, 13 shard_maps; max |Δ| 2.1e-7)
-    assert r["pallas_calls"] == 8 and r["shard_maps"] == 5 + 8, r
+    # decode: an attention kernel per traced layer (the two window-only layers are one scanned stack:
+    # 4 of 5), 2 indexer/pool passes, 1 Reindex pool scoring — each in its own shard_map, beside the
+    # traced MoE layers' (observed: 7 pallas_calls, 11 shard_maps; max |Δ| 2.1e-7)
+    n = r["traced_layers"]
+    assert n == 4 and r["pallas_calls"] == n + 3 and r["shard_maps"] == n + n + 3, r
 
 
 def _run(mode: str, devices: int = 8, timeout: int = 600) -> dict:
@@ -229,13 +233,13 @@ def test_serve_specs_follow_rules(results, index):
     expert = "'expert'" if shape.get("expert", 1) > 1 else "None"
     tensor = "'tensor'" if shape.get("tensor", 1) > 1 else "None"
     batch = repr(_batch(shape))
-    assert specs["ffn.w1"] == f"P({expert}, None, {tensor})"   # experts | embed | mlp
-    assert specs["ffn.w2"] == f"P({expert}, {tensor}, None)"
-    assert specs["attn.wkv"] == "P(None, None)"                 # data-parallel attention; kv whole
+    assert specs["ffn.w1"] == f"P(None, {expert}, None, {tensor})"   # layers | experts | embed | mlp
+    assert specs["ffn.w2"] == f"P(None, {expert}, {tensor}, None)"
+    assert specs["attn.wkv"] == "P(None, None, None)"                 # data-parallel attention; kv whole
     assert specs["head"] == f"P(None, {tensor})"                # vocab over tensor
     # The cache splits rows over every mesh axis and never the shared KV head.
     assert specs["cache.window"] == f"P(None, {batch}, None, None)"
-    assert specs["cache.entries"] == f"P({batch}, None, None)"
+    assert specs["cache.entries"] == f"P(None, {batch}, None, None)"
     assert specs["cache.lengths"] == f"P({batch},)"
     assert specs["logits"] == f"P({batch}, None)"
 
@@ -247,9 +251,9 @@ def test_train_fsdp_matches_single_device(results):
     assert r["loss"] < TOL, r
     assert r["grad"] < TOL * max(1.0, r["grad_scale"]), r
     assert r["shard_maps"] == 2 * results["layers"], r   # each MoE layer and its transpose expert-parallel
-    assert r["specs"]["ffn.w1"] == "P('expert', 'data', 'tensor')"
+    assert r["specs"]["ffn.w1"] == "P(None, 'expert', 'data', 'tensor')"
     assert r["specs"]["grad.ffn.w1"] == r["specs"]["ffn.w1"]
-    assert r["specs"]["attn.wq_b"] == "P(('data', 'expert'), 'tensor')"
+    assert r["specs"]["attn.wq_b"] == "P(None, ('data', 'expert'), 'tensor')"
     assert r["specs"]["embed"] == "P('tensor', ('data', 'expert'))"
 
 

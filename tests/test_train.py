@@ -22,9 +22,8 @@ from flax import nnx
 import dsv41
 from dsv41 import data as data_lib
 from dsv41 import model as model_lib
-from dsv41 import train
+from dsv41 import stacking, train
 from dsv41.checkpoint import Checkpointer
-from dsv41.nn.moe import BalanceBias
 
 ROOT = Path(__file__).resolve().parents[1]
 # Compiling the train step dominates these tests, so the model is cut to one layer of each kind.
@@ -169,7 +168,7 @@ def test_initializer_range_sets_the_weight_std(cfg):
     for std in (0.02, 0.1):
         small = dsv41.load_config("tiny", MICRO + [f"architecture.initializer_range={std}"])
         flat = {".".join(map(str, p)): np.asarray(v.get_value(), np.float64)
-                for p, v in nnx.to_flat_state(model_lib.init_params(small, jax.random.key(3)))}
+                for p, v in stacking.per_layer(model_lib.init_params(small, jax.random.key(3)), small)}
         for name in ("embed", "head.w", "layers.3.attn.wkv.w", "layers.3.attn.wo_a", "layers.0.ffn.w2",
                      "layers.0.hc_attn.fn"):
             w = flat[name]
@@ -280,15 +279,23 @@ def test_restore_onto_a_four_device_mesh(cfg, tmp_path):
 # balance bias and indexer KL
 
 
-def test_balance_update_is_the_sign_rule():
+def test_balance_update_is_the_sign_rule(cfg):
+    """Per layer, in the stacked biases: bias_e += rate · sign(mean − load_e); imbalance = mean |load − mean|
+    / mean, averaged over the layers."""
     rng = np.random.default_rng(0)
-    counts = rng.integers(0, 50, 8).astype(np.float32)
-    bias0 = rng.normal(size=8).astype(np.float32)
-    buffers = nnx.State({"layers": {3: {"ffn": {"bias": BalanceBias(jnp.asarray(bias0))}}}})
-    out, imbalance = train.update_balance(buffers, {3: jnp.asarray(counts)}, 0.01)
-    want = bias0 + 0.01 * np.sign(counts.mean() - counts)
-    np.testing.assert_allclose(np.asarray(out["layers"][3]["ffn"]["bias"][...]), want, rtol=0, atol=1e-7)
-    assert float(imbalance) == pytest.approx(np.abs(counts - counts.mean()).mean() / counts.mean(), rel=1e-6)
+    _, buffers = train.split_variables(model_lib.init_params(cfg, jax.random.key(0)))
+    n = len(dsv41.layer_plan(cfg))
+    counts = {i: rng.integers(0, 50, 8).astype(np.float32) for i in range(n)}
+    before = {p: np.asarray(v) for p, v in stacking.layer_dict(buffers, cfg).items()}
+    out, imbalance = train.update_balance(cfg, buffers, {i: jnp.asarray(c) for i, c in counts.items()}, 0.01)
+    after = stacking.layer_dict(out, cfg)
+    assert len(after) == n
+    for i in range(n):
+        path = ("layers", i, "ffn", "bias")
+        want = before[path] + 0.01 * np.sign(counts[i].mean() - counts[i])
+        np.testing.assert_allclose(np.asarray(after[path]), want, rtol=0, atol=1e-7)
+    want = np.mean([np.abs(c - c.mean()).mean() / c.mean() for c in counts.values()])
+    assert float(imbalance) == pytest.approx(want, rel=1e-6)
 
 
 def test_balance_bias_moves_toward_balance(cfg):
@@ -298,9 +305,8 @@ def test_balance_bias_moves_toward_balance(cfg):
 
     def imbalance_and_load(buffers):
         _, rec = model_lib.forward_with_intermediates(nnx.merge_state(params, buffers), cfg, tokens)
-        load = {i: jnp.zeros(8).at[rec["layers"][i]["ffn"]["experts"].get_value()[0].reshape(-1)].add(1.0)
-                for i in range(len(rec["layers"]))}
-        return train.update_balance(buffers, load, 0.02)
+        load = {i: jnp.zeros(8).at[rec[i]["ffn"]["experts"].reshape(-1)].add(1.0) for i in range(len(rec))}
+        return train.update_balance(cfg, buffers, load, 0.02)
 
     history = []
     for _ in range(25):

@@ -23,10 +23,10 @@ def case(request):
 
 
 def recorded(case, layer, *path):
-    node = case["inter"]["layers"][layer]
+    node = case["inter"][layer]
     for p in path:
         node = node[p]
-    return node.get_value()[0]
+    return node
 
 
 def test_converted_config_is_the_tiny_config(case):

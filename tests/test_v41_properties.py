@@ -22,7 +22,7 @@ def run():
 
 
 def picks(inter, layer):
-    return inter["layers"][layer]["attn"]["picks"].get_value()[0]
+    return inter[layer]["attn"]["picks"]
 
 
 def test_no_selected_entry_holds_a_later_token(run):
@@ -43,7 +43,7 @@ def test_reindex_picks_lie_inside_the_pool(run):
     cfg, _, _, _, inter = run
     plan = dsv41.layer_plan(cfg)
     source = plan[next(r.index for r in plan if r.mode == "reindex")].candidate_source
-    blocks = inter["layers"][source]["attn"]["pool_blocks"].get_value()[0]  # [B, S, n_blocks]
+    blocks = inter[source]["attn"]["pool_blocks"]  # [B, S, n_blocks]
     block = cfg.csa2.indexer.hierarchical.positions_per_block
     assert blocks.sum(-1).max() <= cfg.csa2.indexer.hierarchical.max_blocks
     for r in plan:

@@ -185,7 +185,7 @@ def numpy_tree(output):
 @pytest.mark.slow
 def test_mhc_mixes_and_head(captured):
     ours, calls = captured["ours"], captured["calls"]
-    for i, block in enumerate(ours.layers):
+    for i, block in ((i, ours.layer(i)) for i in range(ours.num_layers)):
         for site, hc in (("attn_hc", block.hc_attn), ("ffn_hc", block.hc_ffn)):
             (x,), (post, comb, collapsed) = calls[(site, i)]
             pre_o, post_o, comb_o = hc.mixes(x)
@@ -201,7 +201,7 @@ def test_mhc_mixes_and_head(captured):
 def test_compressor_entries(captured):
     ours, calls = captured["ours"], captured["calls"]
     compared = set()
-    for i, block in enumerate(ours.layers):
+    for i, block in ((i, ours.layer(i)) for i in range(ours.num_layers)):
         if ("compressor", i) not in calls:
             continue
         (x, _, _, _, _), (entries, _) = calls[("compressor", i)]
@@ -218,11 +218,11 @@ def test_compressor_entries(captured):
 @pytest.mark.slow
 def test_indexer_top_k_sets(captured):
     ours, calls = captured["ours"], captured["calls"]
-    layers = [i for i in range(len(ours.layers)) if ("indexer", i) in calls]
+    layers = [i for i in range(ours.num_layers) if ("indexer", i) in calls]
     assert layers
     for i in layers:
         (x, qr, positions, _, _), picks = calls[("indexer", i)]
-        attn = ours.layers[i].attn
+        attn = ours.layer(i).attn
         cinv = np.asarray(attn.compressed_inv_freq, np.float32)
         keys = attn.indexer.keys(x, cinv)
         visible = ix.visible_entries(positions, attn.record.ratio, keys.shape[1])
@@ -243,7 +243,7 @@ def test_indexer_top_k_sets(captured):
 def test_router_picks_and_weights(captured):
     ours, calls, tokens = captured["ours"], captured["calls"], captured["tokens"]
     hashed = 0
-    for i, block in enumerate(ours.layers):
+    for i, block in ((i, ours.layer(i)) for i in range(ours.num_layers)):
         args, (_, weights, experts) = calls[("gate", i)]
         x = args[0].reshape(-1, args[0].shape[-1])
         w_o, e_o = block.ffn.route(x, tokens.reshape(-1))

@@ -15,16 +15,13 @@ read the packed bytes).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from dsv41 import quant
 from dsv41.kernels import dispatch
-from dsv41.kv_store import (dequant_entries, dequant_keys, dequant_window, gather_rows, packed, ring_positions,
-                            write_rows)
+from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, packed, ring_positions
 from dsv41.nn import indexer as ix
 from dsv41.nn.attention import AttentionV4, attend_step, window_keys
 from dsv41.nn.indexer import pool_gather_scores
@@ -90,12 +87,13 @@ def compress_step(comp, x_BSD, lengths_B, counts_B, leftover_BRC):
     return latent, entry, done, jnp.where(keep, fetch(pos), 0.0)
 
 
-def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_start_B, published: dict,
-                   stores: dict, entries_ready: bool = False):
-    """One layer over the cache. `ring` = (values [B,W,K], scales [B,W,K/32]) of this layer, holding
-    positions >= window_start (FP8 bytes; the float cache: floats and no scales); `stores` maps the
-    layers that own a compressor to their CompressedKV (updated in place in the dict); `entries_ready`:
-    the compressor already wrote these tokens' entries (a CED replay). Returns (y [B,S,D], ring)."""
+def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerStore, window_start_B,
+                   published: dict, stores: dict, entries_ready: bool = False):
+    """One layer over the cache. `ring`: this layer's window ring, leaves "values" [B,W,K] and "scales"
+    [B,W,K/32] (`kv_store.LayerStore`), holding positions >= window_start (FP8 bytes; the float cache:
+    floats and no scales); `stores` maps the layers that own a compressor (as the layer's record names
+    them) to their `LayerStore` of `CompressedKV` leaves (updated in the dict); `entries_ready`: the
+    compressor already wrote these tokens' entries (a CED replay). Returns (y [B,S,D], ring)."""
     rec = attn.record
     b, s, _ = x_BSD.shape
     counts = valid_BS.sum(-1).astype(jnp.int32)
@@ -107,7 +105,7 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_
         q = rms_normalize(q, attn.q_head_eps).astype(q.dtype)
     q = apply_rope(q, positions_BS, inv_freq)
     kv = apply_rope(attn.kv_norm(attn.wkv(x_BSD)), positions_BS, inv_freq)
-    ring_vals, ring_scales = ring
+    ring_vals, ring_scales = ring.get("values"), ring.get("scales")
     quantised = packed(ring_vals)
     if quantised:  # the FP8 ring (V4.1)
         kv_vals, kv_scales = quant.quantize_fp8_ue8m0_32(kv)
@@ -124,8 +122,8 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_
     key_ok = jnp.concatenate([ring_pos >= jnp.maximum(window_start_B, 0)[:, None], valid_BS], axis=1)
     keys_w, mask_w = window_keys(keys_w, key_pos, key_ok, positions_BS, attn.window)
     keep = valid_BS & (positions_BS >= new_len[:, None] - attn.window)
-    ring = (write_rows(ring_vals, kv_vals, positions_BS % attn.window, keep),
-            write_rows(ring_scales, kv_scales, positions_BS % attn.window, keep))
+    slot = positions_BS % attn.window
+    ring = ring.write("values", kv_vals, slot, keep).write("scales", kv_scales, slot, keep)
 
     sel = sel_ok = shared = picks = None
     banded = keys_w.ndim == 4
@@ -136,7 +134,7 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_
         store = stores[rec.kv_source]
         picks = published[rec.index_source]["picks"]                      # [B, S, k]
         if not quantised or kernel_impl(attn) == "reference" or banded:
-            sel = dequant_entries(gather_rows(store.entries, picks), gather_rows(store.entry_scales, picks))
+            sel = dequant_entries(store.gather("entries", picks), store.gather("entry_scales", picks))
             sel, sel_ok = sel.astype(kv.dtype), picks >= 0
     if sel is not None or shared is not None or not quantised or kernel_impl(attn) == "reference" or banded:
         out = attend_step(q, keys_w, mask_w, sel, sel_ok, attn.attn_sink[...], attn.head_dim ** -0.5, shared)
@@ -154,22 +152,23 @@ def _compressed_v4(attn, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, store
     rec, indexer = attn.record, attn.indexer
     cinv = np.asarray(attn.compressed_inv_freq, np.float32)
     store = stores[rec.index]
-    latent, entry, done, leftover = compress_step(attn.compressor, x_BSD, lengths_B, counts_B, store.leftover)
-    entries = write_rows(store.entries, apply_rope(latent, rec.ratio * entry, cinv), entry, done)
-    keys, index_left = store.index_keys, store.index_leftover
+    latent, entry, done, leftover = compress_step(attn.compressor, x_BSD, lengths_B, counts_B, store.get("leftover"))
+    store = store.write("entries", apply_rope(latent, rec.ratio * entry, cinv), entry, done).put("leftover", leftover)
     if indexer is not None:
-        latent, entry, done, index_left = compress_step(indexer.compressor, x_BSD, lengths_B, counts_B, index_left)
-        keys = write_rows(keys, apply_rope(latent, rec.ratio * entry, cinv), entry, done)
-    stores[rec.index] = dataclasses.replace(store, entries=entries, index_keys=keys, leftover=leftover,
-                                            index_leftover=index_left)
+        latent, entry, done, index_left = compress_step(indexer.compressor, x_BSD, lengths_B, counts_B,
+                                                        store.get("index_leftover"))
+        store = store.write("index_keys", apply_rope(latent, rec.ratio * entry, cinv), entry, done)
+        store = store.put("index_leftover", index_left)
+    stores[rec.index] = store
+    entries = store.get("entries")
     visible = ix.visible_entries(positions_BS, rec.ratio, entries.shape[1])
     if indexer is None:
         return None, None, (entries, visible)
     b, s, _ = x_BSD.shape
     q = apply_rope(indexer.wq_b(qr_BSQ).reshape(b, s, indexer.heads, indexer.head_dim), positions_BS, cinv)
-    picks = ix.top_k_indices(ix.lightning_scores(q, keys, indexer.weights_proj(x_BSD), visible, indexer.unroll),
-                             attn.top_k)
-    return gather_rows(entries, picks), picks >= 0, None
+    picks = ix.top_k_indices(ix.lightning_scores(q, store.get("index_keys"), indexer.weights_proj(x_BSD), visible,
+                                                 indexer.unroll), attn.top_k)
+    return store.gather("entries", picks), picks >= 0, None
 
 
 def _publish_step(attn, x_BSD, qr_BSQ, positions_BS, valid_BS, lengths_B, counts_B, published, stores,
@@ -187,23 +186,19 @@ def write_entries(attn, x_BSD, lengths_B, counts_B, stores):
     rec = attn.record
     cinv = np.asarray(attn.compressed_inv_freq, np.float32)
     store = stores[rec.index]
-    latent, entry, done, leftover = compress_step(attn.compressor, x_BSD, lengths_B, counts_B, store.leftover)
+    latent, entry, done, leftover = compress_step(attn.compressor, x_BSD, lengths_B, counts_B, store.get("leftover"))
     pos = rec.ratio * entry
     entries, keys = apply_rope(latent, pos, cinv), attn.indexer.keys(latent, pos, cinv, fake_quant=False)
-    if not packed(store.entries):  # the float cache: the values themselves, no scales
-        stores[rec.index] = dataclasses.replace(
-            store, entries=write_rows(store.entries, entries, entry, done),
-            index_keys=write_rows(store.index_keys, keys, entry, done), leftover=leftover)
+    store = store.put("leftover", leftover)
+    if not packed(store.leaves["entries"]):  # the float cache: the values themselves, no scales
+        stores[rec.index] = store.write("entries", entries, entry, done).write("index_keys", keys, entry, done)
         return
     vals, scales = quant.quantize_fp4_e4m3_16(entries)
     kvals, kscales = quant.quantize_mxfp4(keys)
-    stores[rec.index] = dataclasses.replace(
-        store,
-        entries=write_rows(store.entries, quant.pack_fp4(vals), entry, done),
-        entry_scales=write_rows(store.entry_scales, quant.to_bytes(scales), entry, done),
-        index_keys=write_rows(store.index_keys, quant.pack_fp4(kvals), entry, done),
-        index_scales=write_rows(store.index_scales, quant.to_bytes(kscales), entry, done),
-        leftover=leftover)
+    stores[rec.index] = (store.write("entries", quant.pack_fp4(vals), entry, done)
+                         .write("entry_scales", quant.to_bytes(scales), entry, done)
+                         .write("index_keys", quant.pack_fp4(kvals), entry, done)
+                         .write("index_scales", quant.to_bytes(kscales), entry, done))
 
 
 def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
@@ -221,8 +216,8 @@ def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
     mine = published.setdefault(rec.index, {})
     impl = kernel_impl(attn)
     # The kernels read the packed keys; the float cache takes the reference path below.
-    if impl != "reference" and packed(store.index_keys) and (rec.candidate_source is None or s == 1):
-        args = (qI, w, store.index_keys, store.index_scales)
+    if impl != "reference" and packed(store.leaves["index_keys"]) and (rec.candidate_source is None or s == 1):
+        args = (qI, w, store.get("index_keys"), store.get("index_scales"))
         layout = attn.policy.lowering.layout
         if rec.candidate_source is not None:  # Reindex decode: the pool's keys only
             mine["picks"] = dispatch.pool_top_k(*args, published[rec.candidate_source]["pool_ids"],
@@ -246,8 +241,8 @@ def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
         mine["picks"] = jnp.sort(jnp.where(picks < 0, jnp.iinfo(jnp.int32).max, picks), axis=-1)
         mine["picks"] = jnp.where(mine["picks"] == jnp.iinfo(jnp.int32).max, -1, mine["picks"])
         return
-    num = store.index_keys.shape[1]
-    keys = dequant_keys(store.index_keys, store.index_scales)
+    keys = dequant_keys(store.get("index_keys"), store.get("index_scales"))
+    num = keys.shape[1]
     scores = ix.lightning_scores(qI, keys, w, ix.visible_entries(positions_BS, rec.ratio, num), indexer.unroll)
     if attn.builds_pool:
         mine["pool_ids"] = ix.candidate_block_ids(scores, visible_count, attn.pool_max_blocks, attn.pool_block_size)
@@ -276,7 +271,7 @@ def _attend_kernel(attn, q_BSHK, ring, new, mask_w, picks_BSk, stores):
         picks_BSk = jnp.full((b, s, 1), -1, jnp.int32)
     else:
         store = stores[attn.record.kv_source]
-        entries, entry_scales = store.entries, store.entry_scales
+        entries, entry_scales = store.get("entries"), store.get("entry_scales")
     return dispatch.sparse_attention_chunk(q_BSHK, values, scales, mask_w, entries, entry_scales, picks_BSk,
                                            attn.attn_sink[...], attn.head_dim ** -0.5, mode=kernel_impl(attn),
                                            layout=attn.policy.lowering.layout)

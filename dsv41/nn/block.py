@@ -20,7 +20,7 @@ class Block(nnx.Module):
         a = cfg.architecture
         d, n = a.hidden_size, a.mhc.streams
         hc = dict(sinkhorn_iters=a.mhc.sinkhorn_iters, eps=a.mhc.eps, norm_eps=a.norm_eps, init_std=policy.init_std,
-                  rngs=rngs)
+                  rngs=rngs, unroll=policy.lowering.unroll_layers)
         e = a.engram
         self.engram = (Engram(d, n, engram_rows, e.row_dim, (e.max_ngram - 1) * e.heads_per_ngram, a.norm_eps,
                               policy=policy, rngs=rngs) if record.engram else None)
@@ -39,15 +39,16 @@ class Block(nnx.Module):
     def __call__(self, x_BSND, pre_BSN, attend, engram_ids_BSC=None, tokens_BS=None):
         """Single-pass mHC: each site collapses with the previous site's `pre` and hands its own on.
         Classic mHC (V4): each site collapses with its own `pre` (pre_BSN is not read).
-        `attend(attn, h)` runs the attention layer on its normalised input: over the whole sequence
-        (`forward`) or over the cache (`dsv41.steps`)."""
+        `attend(attn, h) -> (y, state)` runs the attention layer on its normalised input: over the whole
+        sequence (`forward`, no state) or over the cache (`dsv41.steps`: the layer's new window ring).
+        Returns (x, pre, state)."""
         if self.engram is not None:
             x_BSND = self.engram(x_BSND, engram_ids_BSC)
         attn_pre, post, comb = self.hc_attn.mixes(x_BSND)
         h = mhc.collapse(x_BSND, attn_pre if self.classic else pre_BSN)
         self.sow(nnx.Intermediate, "attn_input", h)
-        y = attend(self.attn, self.attn_norm(h))
+        y, state = attend(self.attn, self.attn_norm(h))
         x_BSND = mhc.expand(y, x_BSND, post, comb)
         ffn_pre, post, comb = self.hc_ffn.mixes(x_BSND)
         y = self.ffn(self.ffn_norm(mhc.collapse(x_BSND, ffn_pre if self.classic else attn_pre)), tokens_BS)
-        return mhc.expand(y, x_BSND, post, comb), ffn_pre
+        return mhc.expand(y, x_BSND, post, comb), ffn_pre, state

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41 import quant
-from dsv41.kv_store import dequant_keys, gather_rows
+from dsv41.kv_store import dequant_keys
 from dsv41.nn.compressor import CompressorV4
 from dsv41.nn.linear import Dense
 from dsv41.nn.norm import RMSNorm
@@ -196,7 +196,7 @@ def pool_entries(block_ids_BSn, block: int, visible_BS):
 def pool_gather_scores(q_BSJd, w_BSJ, store, block_ids_BSn, block: int, visible_BS, unroll: bool = False):
     """Reindex scores over the gathered pool keys only: ([B, S, P] scores, [B, S, P] entry ids).
 
-    `store` is the Full layer's `CompressedKV`; only its index_keys and index_scales are read."""
+    `store` is the Full layer's `kv_store.LayerStore`; only its index_keys and index_scales are read."""
     entry, ok = pool_entries(block_ids_BSn, block, visible_BS)
-    keys = dequant_keys(gather_rows(store.index_keys, entry), gather_rows(store.index_scales, entry))
+    keys = dequant_keys(store.gather("index_keys", entry), store.gather("index_scales", entry))
     return lightning_scores_per_query(q_BSJd, keys, w_BSJ, ok, unroll), jnp.where(ok, entry, -1)

@@ -24,8 +24,9 @@ class HyperConnection(nnx.Module):
     """The mixing parameters of one site."""
 
     def __init__(self, streams: int, dim: int, *, sinkhorn_iters: int, eps: float, norm_eps: float,
-                 init_std: float, rngs: nnx.Rngs):
+                 init_std: float, rngs: nnx.Rngs, unroll: bool = False):
         self.streams, self.sinkhorn_iters, self.eps, self.norm_eps = streams, sinkhorn_iters, eps, norm_eps
+        self.unroll = unroll
         mix = (2 + streams) * streams
         self.fn = param(rngs, (mix, streams * dim), ("hc_mix", "hc_embed"), jnp.float32, init_std)
         self.base = nnx.Param(jnp.zeros((mix,), jnp.float32), out_sharding=("hc_mix",), eager_sharding=False)
@@ -46,9 +47,19 @@ class HyperConnection(nnx.Module):
         comb = jnp.moveaxis(logits, (-2, -1), (0, 1))
         comb = jax.nn.softmax(comb, axis=1) + self.eps
         comb = comb / (comb.sum(axis=0, keepdims=True) + self.eps)
-        for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(axis=1, keepdims=True) + self.eps)
-            comb = comb / (comb.sum(axis=0, keepdims=True) + self.eps)
+        eps = self.eps
+
+        def iteration(_, comb):
+            comb = comb / (comb.sum(axis=1, keepdims=True) + eps)
+            return comb / (comb.sum(axis=0, keepdims=True) + eps)
+
+        # A loop, not an unrolled chain: traced and compiled once whatever the iteration count (unrolled
+        # only for XLA's cost analysis, which counts a loop body once: `Lowering.unroll_layers`).
+        if self.unroll:
+            for i in range(self.sinkhorn_iters - 1):
+                comb = iteration(i, comb)
+        else:
+            comb = jax.lax.fori_loop(0, self.sinkhorn_iters - 1, iteration, comb)
         return pre, post, jnp.moveaxis(comb, (0, 1), (-2, -1))
 
 

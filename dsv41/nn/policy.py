@@ -25,14 +25,17 @@ class Lowering:
     device over its token axes. experts_per_pick: the experts as one matmul per (token, pick) instead of
     `ragged_dot`, and unroll_index_heads: the indexer's head loop unrolled — both only so that XLA's cost
     analysis, which counts a ragged_dot as dense and a loop body once, counts what is computed (FLOP
-    reports); the results are the same.
+    reports); the results are the same. unroll_layers: the layer stacks and the Sinkhorn iterations as
+    unrolled Python loops instead of `lax.scan` / `fori_loop` (the same arithmetic, traced once per layer:
+    for the same cost analysis, never for speed).
     """
     layout: object = None
     experts_per_pick: bool = False
     unroll_index_heads: bool = False
+    unroll_layers: bool = False
 
 
-FLOP_COUNTING = Lowering(experts_per_pick=True, unroll_index_heads=True)
+FLOP_COUNTING = Lowering(experts_per_pick=True, unroll_index_heads=True, unroll_layers=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,96 @@
+"""The per-layer view of the stacked parameters (DESIGN §9).
+
+The model keeps each layer's parameters in its stack: `stacks.{s}.slots.{j}.…` with a leading layers
+axis [G, ...] (`plan.layer_stacks`). Everything outside the model speaks per layer — checkpoint files
+(`layers.{i}.attn.wq_a.w`), the official and transformers names, a test reading layer 6's indexer — and
+goes through the one map here: layer i = (stack s, group g, slot j) of `plan.layer_slot`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from flax import nnx
+
+from dsv41.plan import layer_stacks
+
+LAYERS = "layers"
+
+
+@functools.lru_cache(maxsize=32)
+def _maps(stacks) -> tuple[dict, dict]:
+    to_layer, to_stack = {}, {}
+    for s, st in enumerate(stacks):
+        for g, group in enumerate(st.layers):
+            for j, i in enumerate(group):
+                to_layer[(s, j, g)] = i
+                to_stack[i] = (s, g, j)
+    return to_layer, to_stack
+
+
+def layer_path(path: tuple, g: int, stacks) -> tuple:
+    """The per-layer path of group g of a stacked path (other paths unchanged)."""
+    if path[:1] != ("stacks",):
+        return path
+    s, j = path[1], path[3]
+    return (LAYERS, _maps(stacks)[0][(s, j, g)], *path[4:])
+
+
+def stacked_path(path: tuple, stacks) -> tuple[tuple, int | None]:
+    """(stacked path, group) of a per-layer path `("layers", i, …)`; other paths as they are, group None."""
+    if path[:1] != (LAYERS,):
+        return path, None
+    s, g, j = _maps(stacks)[1][path[1]]
+    return ("stacks", s, "slots", j, *path[2:]), g
+
+
+def per_layer(state: nnx.State, cfg) -> list[tuple[tuple, nnx.Variable]]:
+    """[(per-layer path, variable)] of a stacked state: a stacked leaf [G, ...] gives G variables, one per
+    layer (slices, their `out_sharding` without the layers axis)."""
+    stacks = layer_stacks(cfg)
+    out = []
+    for path, var in nnx.to_flat_state(state):
+        if path[:1] != ("stacks",):
+            out.append((path, var))
+            continue
+        value = var.get_value()
+        axes = var.get_metadata().get("out_sharding")
+        for g in range(value.shape[0]):
+            one = var.replace(value[g] if not isinstance(value, jax.ShapeDtypeStruct)
+                              else jax.ShapeDtypeStruct(value.shape[1:], value.dtype))
+            if axes:
+                one.set_metadata("out_sharding", tuple(axes[1:]))
+            out.append((layer_path(path, g, stacks), one))
+    return sorted(out, key=lambda pv: _order(pv[0]))
+
+
+def _order(path):
+    return tuple((0, k) if isinstance(k, int) else (1, str(k)) for k in path)
+
+
+def layer_dict(state: nnx.State, cfg) -> dict[tuple, object]:
+    """{per-layer path: array} of a stacked state."""
+    return {p: v.get_value() for p, v in per_layer(state, cfg)}
+
+
+def from_per_layer(values, abstract: nnx.State, cfg, dtype_of=None) -> nnx.State:
+    """The stacked state of `abstract`'s structure from `values` {per-layer path: array}: each stacked leaf
+    the G layers' arrays stacked (NumPy on the host, then one device array). Every path must be there."""
+    stacks = layer_stacks(cfg)
+    flat = []
+    for path, var in nnx.to_flat_state(abstract):
+        like = var.get_value()
+        if path[:1] == ("stacks",):
+            array = np.stack([np.asarray(values[layer_path(path, g, stacks)]) for g in range(like.shape[0])])
+        else:
+            array = values[path]
+        flat.append((path, var.replace(jax.numpy.asarray(array, dtype=like.dtype))))
+    return nnx.from_flat_state(flat)
+
+
+def layer_of(state: nnx.State, cfg, i: int) -> dict:
+    """{path below the layer: array} of layer i's parameters (sliced out of its stack)."""
+    s, g, j = _maps(layer_stacks(cfg))[1][i]
+    return {path: v.get_value()[g] for path, v in nnx.to_flat_state(state["stacks"][s]["slots"][j])}
