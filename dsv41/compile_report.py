@@ -141,11 +141,12 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
                                     "engram_host": _leaf_bytes(args[0], host=True)}}
     t2 = time.perf_counter()
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     chips = mesh.devices.size
     hlo = compiled.as_text()
-    flops = float(cost.get("flops", 0.0))
+    # The compiled program scans its layer stacks, and XLA's cost analysis counts a loop body once: the
+    # FLOPs come from the same step lowered with every loop unrolled (`lowered_flops_per_token`).
+    per_token = lowered_flops_per_token(cfg, batch=batch, context=context, weights=weights, seq=seq)
+    flops = per_token * batch * seq / chips
     hbm = HBM_BYTES.get(mesh.devices.flat[0].device_kind)
     memory = {
         "arguments": int(mem.argument_size_in_bytes),
@@ -168,30 +169,31 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
         "lower_s": round(t1 - t0, 2),
         "compile_s": round(t2 - t1, 2),
         "memory_per_chip": memory,
-        "flops_per_chip": flops,
-        "bytes_accessed_per_chip": float(cost.get("bytes accessed", 0.0)),
-        # The compiled module is one chip's program (SPMD): the step's FLOPs are chips × that.
-        "flops_per_token": flops * chips / (batch * seq),
+        "flops_per_chip": flops,  # the step's FLOPs shared evenly over the chips
+        "flops_per_token": per_token,
         "collectives_per_chip": collective_bytes(hlo),
         "pallas_kernels": hlo.count("custom_call_target=\"tpu_custom_call\""),  # Mosaic kernels in the program
     }
 
 
-def lowered_flops_per_token(cfg, *, batch: int, context: int, weights: str) -> float:
-    """XLA's FLOPs of one whole decode step (every chip's work together) per generated token, from the
-    lowered program on one device: the model's arithmetic, whatever the sharding. Lowering takes seconds
-    where a full-size TPU compile takes minutes, so a context sweep is cheap."""
+def lowered_flops_per_token(cfg, *, batch: int, context: int, weights: str, seq: int = 1) -> float:
+    """XLA's FLOPs of one whole step (every chip's work together; seq = 1: decode, else a prefill chunk)
+    per new token, from the lowered program on one device: the model's arithmetic, whatever the sharding.
+    Lowering takes seconds where a full-size TPU compile takes minutes, so a context sweep is cheap."""
     mesh = sh.make_mesh({}, devices=jax.devices("cpu")[:1])
-    args, pshard = abstract_inputs(cfg, mesh, "serve", weights=weights, batch=batch, seq=1, context=context,
+    # The XLA path's arithmetic (a Pallas kernel is a custom call XLA counts as nothing).
+    cfg = config_lib.build(cfg.to_dict(), ['runtime.kernels="reference"'])
+    args, pshard = abstract_inputs(cfg, mesh, "serve", weights=weights, batch=batch, seq=seq, context=context,
                                    engram_host=False)
-    # XLA's cost analysis counts a loop body once and a ragged_dot as dense over its groups: trace the
-    # indexer's head loop unrolled and the experts as one matmul per pick, which cost what they compute.
-    fn = sh.step_function(cfg, mesh, "serve", tokens_shape=(batch, 1), ids_shape=None if args[4] is None else
+    # XLA's cost analysis counts a loop body once and a ragged_dot as dense over its groups: trace the layer
+    # stacks, Sinkhorn and the indexer's head loop unrolled and the experts as one matmul per pick, which
+    # cost what they compute.
+    fn = sh.step_function(cfg, mesh, "serve", tokens_shape=(batch, seq), ids_shape=None if args[4] is None else
                           args[4].shape, max_len=context, params_shardings=pshard, engram_host=False,
                           flop_counting=True)
     cost = fn.trace(*args).lower().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost["flops"]) / batch
+    return float(cost["flops"]) / (batch * seq)
 
 
 def context_sweep(cfg, contexts, batch: int, weights: str) -> list[dict]:

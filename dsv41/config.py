@@ -425,6 +425,10 @@ def _validate_csa2(cfg) -> None:
         raise ConfigError("csa2.indexer.hierarchical.candidate_pool_size", h.candidate_pool_size,
                           f"expected max_blocks × positions_per_block = {h.max_blocks} × "
                           f"{h.positions_per_block} = {h.max_blocks * h.positions_per_block}")
+    if cfg.runtime.score_tile <= 0 or cfg.runtime.score_tile % h.positions_per_block:
+        raise ConfigError("runtime.score_tile", cfg.runtime.score_tile,
+                          f"expected a positive multiple of csa2.indexer.hierarchical.positions_per_block "
+                          f"({h.positions_per_block}): a tile holds whole candidate-pool blocks")
     if h.enabled and ix.top_k > h.candidate_pool_size:
         raise ConfigError("csa2.indexer.top_k", ix.top_k,
                           f"expected at most the candidate pool size ({h.candidate_pool_size}): "

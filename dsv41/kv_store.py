@@ -64,6 +64,16 @@ class LayerStore:
             return x
         return x[self.layer] if isinstance(self.layer, int) else jax.lax.dynamic_index_in_dim(x, self.layer, 0, False)
 
+    def tile(self, name: str, start, size: int):
+        """Rows start..start+size-1 of the layer's leaf -> [B, size, ·] (start traced; in bounds)."""
+        x = self.leaves[name]
+        if self.layer is None:
+            return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+        layer = jnp.asarray(self.layer, jnp.int32)
+        zero = jnp.zeros((), jnp.int32)
+        begin = (layer, zero, jnp.asarray(start, jnp.int32), *([zero] * (x.ndim - 3)))
+        return jax.lax.dynamic_slice(x, begin, (1, x.shape[1], size, *x.shape[3:]))[0]
+
     def gather(self, name: str, index_BSk):
         """The leaf's rows index[b, s, j] of each row b -> [B, S, k, ·] (see `gather_rows`)."""
         return gather_rows(self.leaves[name], index_BSk, self.layer)

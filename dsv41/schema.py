@@ -93,8 +93,10 @@ _V41 = {
     # The dtype policy (dsv41.nn.policy) and the prefill schedule (DESIGN §3.5): "full" runs every
     # prompt token through every layer (exact); "ced" runs them through the encoder and the decoder's
     # KV projections, and only the last decoder_replay_tokens through the decoder.
-    # kernels (DESIGN §8, §11): auto = Pallas on TPU/GPU, the XLA reference on CPU.
-    "runtime": {"param_dtype": "float32", "compute_dtype": "float32", "prefill_schedule": "full", "kernels": "auto"},
+    # kernels (DESIGN §8, §11): auto = Pallas on TPU/GPU, the XLA reference on CPU. score_tile: the entries
+    # the cached steps' XLA indexer scores per loop trip, over the filled tiles only (DESIGN §6).
+    "runtime": {"param_dtype": "float32", "compute_dtype": "float32", "prefill_schedule": "full", "kernels": "auto",
+                "score_tile": 1024},
     # Model dimensions (DESIGN §2): the block the user schema does not have.
     "architecture": {
         "family": V41,

@@ -65,6 +65,7 @@ class Attention(nnx.Module):
         d, k = a.hidden_size, a.head_dim
         ixc = cfg.csa2.indexer
         self.top_k = ixc.top_k
+        self.score_tile = cfg.runtime.score_tile  # the cached step scores the filled tiles of its store
         self.builds_pool = builds_pool
         self.pool_max_blocks, self.pool_block_size = ixc.hierarchical.max_blocks, ixc.hierarchical.positions_per_block
         self.compressor = (Compressor(d, k, record.ratio, a.norm_eps, policy=policy, rngs=rngs)

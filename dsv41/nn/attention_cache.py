@@ -241,8 +241,11 @@ def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
         mine["picks"] = jnp.sort(jnp.where(picks < 0, jnp.iinfo(jnp.int32).max, picks), axis=-1)
         mine["picks"] = jnp.where(mine["picks"] == jnp.iinfo(jnp.int32).max, -1, mine["picks"])
         return
+    num, tile = store.leaves["index_keys"].shape[-2], attn.score_tile
+    if tile < num and num % tile == 0 and not attn.policy.lowering.unroll_layers:
+        _select_filled(attn, qI, w, positions_BS, visible_count, published, store, mine)
+        return
     keys = dequant_keys(store.get("index_keys"), store.get("index_scales"))
-    num = keys.shape[1]
     scores = ix.lightning_scores(qI, keys, w, ix.visible_entries(positions_BS, rec.ratio, num), indexer.unroll)
     if attn.builds_pool:
         mine["pool_ids"] = ix.candidate_block_ids(scores, visible_count, attn.pool_max_blocks, attn.pool_block_size)
@@ -252,6 +255,37 @@ def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
                                        attn.pool_block_size, num)
         scores = jnp.where(in_pool, scores, NEG_INF)
     mine["picks"] = ix.top_k_indices(scores, attn.top_k)
+
+
+def _select_filled(attn, qI_BSJd, w_BSJ, positions_BS, visible_count_BS, published, store, mine):
+    """`_select`'s scores, pool and top-k over the store's filled tiles only (`indexer.filled_top_k`): the
+    same picks, at a cost that follows the rows' lengths rather than the cache's capacity. (The FLOP
+    counting lowering scores the whole capacity: static shapes, which XLA's cost analysis counts.)"""
+    rec, tile = attn.record, attn.score_tile
+    num = store.leaves["index_keys"].shape[-2]
+    pool_ids = None if rec.candidate_source is None else published[rec.candidate_source]["pool_ids"]
+    if pool_ids is not None:  # ascending block ids, then −1s: searchable once the −1s sort last
+        pool_sorted = jnp.where(pool_ids < 0, jnp.iinfo(jnp.int32).max, pool_ids)
+        search = jax.vmap(jax.vmap(lambda p, x: jnp.searchsorted(p, x)))
+
+    def tile_scores(start):
+        keys = dequant_keys(store.tile("index_keys", start, tile), store.tile("index_scales", start, tile))
+        entry = start + jnp.arange(tile)
+        visible = entry < visible_count_BS[..., None]
+        scores = ix.lightning_scores(qI_BSJd, keys, w_BSJ, visible, attn.indexer.unroll)
+        if pool_ids is None:
+            return scores
+        blocks = jnp.broadcast_to(start // attn.pool_block_size + jnp.arange(tile // attn.pool_block_size),
+                                  (*pool_ids.shape[:2], tile // attn.pool_block_size))
+        at = jnp.minimum(search(pool_sorted, blocks), pool_ids.shape[-1] - 1)
+        kept = jnp.take_along_axis(pool_sorted, at, -1) == blocks
+        return jnp.where(jnp.repeat(kept, attn.pool_block_size, axis=-1), scores, NEG_INF)
+
+    pool = (attn.pool_max_blocks, attn.pool_block_size, visible_count_BS) if attn.builds_pool else None
+    mine["picks"], pool_out = ix.filled_top_k(tile_scores, positions_BS.shape, num, tile,
+                                              jnp.max(visible_count_BS), attn.top_k, pool)
+    if pool_out is not None:
+        mine["pool_ids"] = pool_out
 
 
 def kernel_impl(attn) -> str:

@@ -167,6 +167,61 @@ def candidate_block_ids(scores_BST, visible_count_BS, max_blocks: int, block: in
     return ids
 
 
+def filled_top_k(tile_scores, rows_BS: tuple, num_entries: int, tile: int, filled, k: int, pool=None):
+    """`top_k_indices` (and `candidate_block_ids`) over the filled tiles of a store only (DESIGN §6: a row's
+    cost follows its length, not the cache's capacity).
+
+    tile_scores(start) -> [B, S, tile] scores of entries start … start + tile − 1 (−inf where not
+    selectable), rows_BS = (B, S); num_entries: the store's capacity T (a multiple of `tile`); filled: a traced count of the
+    entries any query may see, so ceil(filled / tile) tiles run (a loop with that trip count). pool: None,
+    or (max_blocks, block, visible_count_BS) to also choose the candidate pool (tile a multiple of block).
+    Returns (picks [B, S, k], pool block ids [B, S, max_blocks] or None), equal to scoring every entry:
+    top-k keeps the lowest index among equal scores, and so does each merge of the running best with a
+    tile's (the running best come first and hold lower indices)."""
+    b, s = rows_BS
+    k_eff = min(k, num_entries)
+
+    def merge(best, values, ids, n):
+        v, i = jax.lax.top_k(values, min(n, values.shape[-1]))
+        cat_v, cat_i = jnp.concatenate([best[0], v], -1), jnp.concatenate([best[1], jnp.take_along_axis(ids, i, -1)], -1)
+        v, i = jax.lax.top_k(cat_v, n)
+        return v, jnp.take_along_axis(cat_i, i, -1)
+
+    def empty(n, sentinel):
+        return jnp.full((b, s, n), NEG_INF, jnp.float32), jnp.full((b, s, n), sentinel, jnp.int32)
+
+    state = {"picks": empty(k_eff, num_entries)}
+    if pool is not None:
+        max_blocks, block, visible_count = pool
+        n_blocks = num_entries // block
+        newest = (visible_count - 1) // block
+        state["pool"] = empty(min(max_blocks, n_blocks), n_blocks)
+
+    def step(t, state):
+        start = t * tile
+        scores = tile_scores(start)
+        ids = jnp.broadcast_to(start + jnp.arange(tile, dtype=jnp.int32), scores.shape)
+        out = {"picks": merge(state["picks"], scores, ids, k_eff)}
+        if pool is not None:
+            block_ids = start // block + jnp.arange(tile // block, dtype=jnp.int32)
+            block_scores = scores.reshape(b, s, -1, block).max(-1)
+            block_scores = jnp.where(block_ids == newest[..., None], jnp.inf, block_scores)
+            out["pool"] = merge(state["pool"], block_scores, jnp.broadcast_to(block_ids, block_scores.shape),
+                                state["pool"][0].shape[-1])
+        return out
+
+    trips = (jnp.minimum(filled, num_entries) + tile - 1) // tile
+    state = jax.lax.fori_loop(0, trips, step, state)
+
+    def finish(best, sentinel, width):
+        ids = jnp.sort(jnp.where(best[0] > NEG_INF, best[1], sentinel), axis=-1)
+        ids = jnp.where(ids == sentinel, -1, ids).astype(jnp.int32)
+        return jnp.pad(ids, [(0, 0), (0, 0), (0, width - ids.shape[-1])], constant_values=-1)
+
+    picks = finish(state["picks"], num_entries, k)
+    return picks, (None if pool is None else finish(state["pool"], n_blocks, max_blocks))
+
+
 def block_ids_to_mask(ids_BSn, n_blocks: int):
     """[B, S, n_blocks] bool of the kept blocks (−1 keeps nothing)."""
     return jnp.zeros((*ids_BSn.shape[:-1], n_blocks + 1), bool).at[
