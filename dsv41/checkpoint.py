@@ -14,7 +14,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from dsv41 import stacking
 
 
 class Checkpointer:
@@ -42,12 +45,14 @@ class Checkpointer:
         return self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=force)
 
-    def restore(self, abstract_state, step: int | None = None, shardings=None):
+    def restore(self, abstract_state, step: int | None = None, shardings=None, cfg=None):
         """(state, data_state) of `step` (default: the newest complete one).
 
         abstract_state: a pytree of jax.ShapeDtypeStruct (`train.abstract_state`) giving the structure;
         shardings: a matching pytree of jax.sharding.Sharding to place each array (default: the
-        abstract leaves' own `.sharding`, else one device).
+        abstract leaves' own `.sharding`, else one device). cfg: the model config; with it, a checkpoint
+        written before the layer stacks (per-layer paths `layers.{i}.…`) is read and stacked
+        (`stacking.restack`), so old runs resume.
         """
         step = self.latest_step() if step is None else step
         if step is None:
@@ -60,9 +65,26 @@ class Checkpointer:
             abstract_state = jax.tree.map(
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None) or device),
                 abstract_state)
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+        except ValueError:
+            restacked = None if cfg is None else self._restack(step, abstract_state, cfg)
+            if restacked is None:
+                raise  # not an old layout: orbax's own message says what does not match
+            return restacked
         return out["state"], out["data"]
+
+    def _restack(self, step: int, abstract_state, cfg):
+        """(state, data) of a step written before the layer stacks (per-layer paths), read without a target and
+        stacked; None when the step has no per-layer paths."""
+        raw = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
+        if not stacking.is_per_layer(raw["state"]):
+            return None
+        state = stacking.restack(raw["state"], abstract_state, cfg)
+        state = jax.tree.map(lambda x, a: jax.device_put(np.asarray(x, a.dtype), a.sharding), state, abstract_state)
+        return state, raw["data"]
 
     def wait(self) -> None:
         """Blocks until the pending async save is finalised."""

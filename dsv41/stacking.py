@@ -94,3 +94,38 @@ def layer_of(state: nnx.State, cfg, i: int) -> dict:
     """{path below the layer: array} of layer i's parameters (sliced out of its stack)."""
     s, g, j = _maps(layer_stacks(cfg))[1][i]
     return {path: v.get_value()[g] for path, v in nnx.to_flat_state(state["stacks"][s]["slots"][j])}
+
+
+def _key_names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def is_per_layer(tree) -> bool:
+    """Whether a saved tree (as orbax restores it without a target) has per-layer paths `layers.{i}.…`."""
+    return any("layers" in _key_names(p) and "stacks" not in _key_names(p)
+               for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+def restack(old_tree, abstract_tree, cfg):
+    """A tree with per-layer paths (`layers.{i}.…`, as dsv41 saved parameters, optimiser moments and
+    buffers before the layer stacks) in the structure of `abstract_tree` (stacked): each stacked leaf is its
+    G layers' leaves stacked. Raises ValueError naming a path the old tree lacks."""
+    old = {_key_names(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(old_tree)[0]}
+    maps = _maps(layer_stacks(cfg))[0]
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_tree)
+    out = []
+    for path, like in leaves:
+        keys = _key_names(path)
+        if "stacks" in keys:
+            at = keys.index("stacks")
+            s, j = int(keys[at + 1]), int(keys[at + 3])
+            groups = like.shape[0]
+            names = [(*keys[:at], LAYERS, str(maps[(s, j, g)]), *keys[at + 4:]) for g in range(groups)]
+        else:
+            names = [keys]
+        missing = [".".join(n) for n in names if n not in old]
+        if missing:
+            raise ValueError(f"checkpoint: no {missing[0]}: expected the per-layer tree of this config")
+        values = [np.asarray(old[n]) for n in names]
+        out.append(np.stack(values) if "stacks" in keys else values[0])
+    return jax.tree_util.tree_unflatten(treedef, out)

@@ -420,7 +420,7 @@ def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=N
     step_fn = train_step_for(cfg, tc)
     state, start = None, 0
     if checkpointer is not None and checkpointer.latest_step() is not None:
-        state, data_state = checkpointer.restore(abstract_state(cfg, tc))
+        state, data_state = checkpointer.restore(abstract_state(cfg, tc), cfg=cfg)
         data.restore(data_state)
         start = int(state.step)
     if state is None:

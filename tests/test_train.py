@@ -230,6 +230,46 @@ def test_killed_save_resumes_from_last_complete(cfg, tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def per_layer_tree(tree, cfg) -> dict:
+    """The state as dsv41 saved it before the layer stacks: nested dicts with `layers/{i}/…` paths, each
+    stacked leaf [G, ...] split into its G layers (the inverse of the map `stacking` owns, written out
+    here: layer = the stack's group g, slot j)."""
+    stacks = dsv41.plan.layer_stacks(cfg)
+    out: dict = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        pieces = [(keys, leaf)]
+        if "stacks" in keys:
+            at = keys.index("stacks")
+            s, j = int(keys[at + 1]), int(keys[at + 3])
+            pieces = [(keys[:at] + ["layers", str(group[j])] + keys[at + 4:], leaf[g])
+                      for g, group in enumerate(stacks[s].layers)]
+        for names, value in pieces:
+            node = out
+            for name in names[:-1]:
+                node = node.setdefault(name, {})
+            node[names[-1]] = np.asarray(value)
+    return out
+
+
+def test_a_checkpoint_from_before_the_layer_stacks_resumes(cfg, tmp_path):
+    """Training checkpoints written with per-layer paths (dsv41 before the scanned stacks) restore into the
+    stacked TrainState, every leaf equal; without the config to map them, orbax's mismatch error stands."""
+    state = train.init_state(cfg, TC, jax.random.key(4))
+    moved = jax.tree.map(lambda x: x + (0.5 if jnp.issubdtype(x.dtype, jnp.floating) else 2), state.opt_state)
+    state = train.TrainState(state.params, moved, state.step + 3, state.buffers)
+    with Checkpointer(tmp_path / "old", every=1, keep=1) as ck:
+        ck.save(3, per_layer_tree(state, cfg), {"index": 7}, force=True)
+    with Checkpointer(tmp_path / "old") as ck:
+        restored, data_state = ck.restore(train.abstract_state(cfg, TC), cfg=cfg)
+        with pytest.raises(ValueError):
+            ck.restore(train.abstract_state(cfg, TC))
+    assert data_state == {"index": 7}
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_restore_onto_a_four_device_mesh(cfg, tmp_path):
     """A 1-device checkpoint read by a 4-device process: embed and head sharded over the vocab axis."""
     directory = tmp_path / "ckpt"
