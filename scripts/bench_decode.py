@@ -2,7 +2,7 @@
 """Prefill seconds, decode tokens/s and peak memory of dsv41's cached inference path against
 transformers' `DeepseekV4ForCausalLM`, at several context lengths, in one table.
 
-What is compared (random weights, batch 1, fp32, CPU):
+What is compared (random weights, batch 1 unless --batch, fp32, CPU):
 
 * `hf-v4`        transformers `DeepseekV4ForCausalLM` with a toy **V4** config: hidden 128, 6 layers
                  (2 window-only, then CSA ratio 4 / HCA ratio 32 alternating), 8 heads x 64, indexer
@@ -167,19 +167,22 @@ def hf_model(seed: int):
     return model
 
 
-def prompt(seed: int, vocab: int, ctx: int):
+def prompt(seed: int, vocab: int, ctx: int, batch: int = 1):
+    """[batch, ctx] random prompt ids; row 0 is the batch-1 prompt whatever the batch."""
     import numpy as np
 
-    return np.random.default_rng(seed + 1).integers(0, vocab, (1, ctx), dtype=np.int32)
+    rng = np.random.default_rng(seed + 1)
+    first = rng.integers(0, vocab, (1, ctx), dtype=np.int32)
+    return np.concatenate([first, rng.integers(0, vocab, (batch - 1, ctx), dtype=np.int32)])
 
 
-def worker_hf(ctx: int, steps: int, seed: int, threads: int | None) -> dict:
+def worker_hf(ctx: int, steps: int, seed: int, threads: int | None, batch: int = 1) -> dict:
     import torch
 
     if threads:
         torch.set_num_threads(threads)
     model = hf_model(seed)
-    tokens = torch.from_numpy(prompt(seed, model.config.vocab_size, ctx)).long()
+    tokens = torch.from_numpy(prompt(seed, model.config.vocab_size, ctx, batch)).long()
     out = {}
     partial(out, rss_after_init_gb=rss_gb(), threads=torch.get_num_threads(), prefill_start_epoch=time.time())
     with torch.no_grad():
@@ -198,13 +201,13 @@ def worker_hf(ctx: int, steps: int, seed: int, threads: int | None) -> dict:
             cache = res.past_key_values
             greedy.append(int(nxt[0]))
     out["greedy"] = greedy[:GREEDY_COMPARED]
-    out["decode_tok_s"] = steps / sum(times[1:])
-    out["decode_median_tok_s"] = 1 / sorted(times[1:])[len(times[1:]) // 2]
+    out["decode_tok_s"] = batch * steps / sum(times[1:])
+    out["decode_median_tok_s"] = batch / sorted(times[1:])[len(times[1:]) // 2]
     out["first_decode_s"] = times[0]
     return out
 
 
-def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int) -> dict:
+def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int, batch: int = 1) -> dict:
     import jax
     import numpy as np
 
@@ -234,7 +237,7 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int) -> dict
     ratios = sorted({r.ratio for r in layer_plan(cfg) if r.ratio}) or [1]
     step = math.lcm(*ratios)
     max_len = -(-(ctx + steps + 1) // step) * step
-    tokens = prompt(seed, cfg.architecture.vocab_size, ctx)
+    tokens = prompt(seed, cfg.architecture.vocab_size, ctx, batch)
     chunk = min(chunk, ctx)
     out = {}
     partial(out, rss_after_init_gb=rss_gb(), chunk=chunk, max_len=max_len, devices=[str(d) for d in jax.devices()])
@@ -243,7 +246,7 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int) -> dict
     for k in compile_events:
         compile_events[k] = 0.0
     t0 = time.perf_counter()
-    cache = dsv41.init_cache(cfg, 1, max_len)
+    cache = dsv41.init_cache(cfg, batch, max_len)
     if ced and ctx > chunk:  # the CED schedule compiles a separate program for the non-final chunks
         _, cache = dsv41.prefill(params, cfg, cache, tokens[:, :chunk], final=False)
     logits, cache = dsv41.prefill(params, cfg, cache, tokens[:, :chunk], **final)
@@ -254,7 +257,7 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int) -> dict
             compile_breakdown_s={k.rsplit("/", 1)[1]: v for k, v in compile_events.items()})
     del cache, logits
 
-    cache = dsv41.init_cache(cfg, 1, max_len)
+    cache = dsv41.init_cache(cfg, batch, max_len)
     jax.block_until_ready(cache)
     partial(out, prefill_start_epoch=time.time())
     t0 = time.perf_counter()
@@ -264,7 +267,8 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int) -> dict
         if n < chunk:
             piece = np.pad(piece, [(0, 0), (0, chunk - n)])
         last = start + chunk >= ctx
-        logits, cache = dsv41.prefill(params, cfg, cache, piece, lengths=[n], **({"final": last} if ced else {}))
+        logits, cache = dsv41.prefill(params, cfg, cache, piece, lengths=[n] * batch,
+                                      **({"final": last} if ced else {}))
         jax.block_until_ready(cache.lengths)
         partial(out, prefilled_tokens=start + n, prefill_elapsed_s=time.perf_counter() - t0)
     jax.block_until_ready((logits, cache))
@@ -280,8 +284,8 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int) -> dict
         times.append(time.perf_counter() - t0)
         greedy.append(int(nxt[0]))
     out["greedy"] = greedy[:GREEDY_COMPARED]
-    out["decode_tok_s"] = steps / sum(times)
-    out["decode_median_tok_s"] = 1 / float(np.median(times))
+    out["decode_tok_s"] = batch * steps / sum(times)
+    out["decode_median_tok_s"] = batch / float(np.median(times))
     assert int(np.asarray(cache.lengths)[0]) == ctx + steps
     return out
 
@@ -292,9 +296,9 @@ def worker_main(args) -> None:
     except OSError:
         pass
     if args.impl == "hf-v4":
-        out = worker_hf(args.ctx, args.decode_steps, args.seed, args.torch_threads)
+        out = worker_hf(args.ctx, args.decode_steps, args.seed, args.torch_threads, args.batch)
     else:
-        out = worker_dsv41(args.impl, args.ctx, args.decode_steps, args.seed, args.chunk)
+        out = worker_dsv41(args.impl, args.ctx, args.decode_steps, args.seed, args.chunk, args.batch)
     out["peak_self_gb"] = peak_rss_gb()
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -318,7 +322,8 @@ def run_one(impl: str, ctx: int, args) -> dict:
     import psutil
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--ctx", str(ctx),
-           "--decode-steps", str(args.decode_steps), "--seed", str(args.seed), "--chunk", str(args.chunk)]
+           "--decode-steps", str(args.decode_steps), "--seed", str(args.seed), "--chunk", str(args.chunk),
+           "--batch", str(args.batch)]
     if args.torch_threads:
         cmd += ["--torch-threads", str(args.torch_threads)]
     env = dict(os.environ, PYTHONPATH=str(args.dsv41_src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -476,7 +481,7 @@ def print_table(rows: list[dict], contexts: list[int], impls: list[str], hw: dic
           f"{', with uncommitted changes to dsv41/ or configs/' if src.get('dsv41_dirty') else ''})"
           if "dsv41_commit" in src else ""))
     threads = args.torch_threads or hw.get("torch_threads")
-    print(f"Batch 1, fp32, random weights, torch threads {threads}; decode: {args.decode_steps} greedy steps after the prompt; "
+    print(f"Batch {getattr(args, 'batch', 1)}, fp32, random weights, torch threads {threads}; decode: {args.decode_steps} greedy steps after the prompt; "
           f"dsv41 prefill in chunks of {args.chunk}; timeout {args.timeout:.0f} s, memory limit "
           f"{args.mem_limit_gb:.1f} GB per measurement.")
     for impl in impls:
@@ -580,6 +585,8 @@ def main(argv=None) -> int:
     p.add_argument("--from-json", metavar="PATH", type=Path,
                    help="print the table of a previous run's --json output instead of measuring")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=1,
+                   help="rows decoded together (default 1); tokens/s counts every row, greedy compares row 0")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", help=argparse.SUPPRESS)
     p.add_argument("--ctx", type=int, help=argparse.SUPPRESS)

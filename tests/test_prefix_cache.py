@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import dsv41
+from dsv41 import cache as cache_lib
 from dsv41 import prefix_cache as pc_lib
 
 CHUNK, MAX_LEN, BLOCK = 32, 128, 32
@@ -51,7 +52,9 @@ def _leaves_equal(a, b):
 def _global_rows_equal(a, b, n, cfg, row_a=0, row_b=0):
     """The global KV of the first n tokens (every per-entry leaf of every Full layer) is the same."""
     full = [r for r in dsv41.layer_plan(cfg) if r.stores_entries]
-    for rec, x, y in zip(full, a.compressed, b.compressed):
+    stores_a, stores_b = cache_lib.layer_stores(cfg, a), cache_lib.layer_stores(cfg, b)
+    for rec in full:
+        x, y = stores_a[rec.index], stores_b[rec.index]
         for f in ("entries", "entry_scales", "index_keys", "index_scales"):
             if not np.array_equal(np.asarray(getattr(x, f))[row_a, :n // rec.ratio],
                                   np.asarray(getattr(y, f))[row_b, :n // rec.ratio]):

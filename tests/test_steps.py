@@ -109,31 +109,46 @@ def test_prefill_and_decode_never_read_the_device(port, monkeypatch):
         steps.prefill(params, cfg, c, np.zeros((1, 60), np.int32), token_map=token_map)
 
 
+def first_near_tie(d) -> int:
+    """The first position whose indexer top-k the port records as tied below float32 resolution (gap
+    ≤ 1e-7): from there on the port's logits depend on rounding (case A: layer 8 at position 136, a gap of
+    3.7e-9; case B: layer 8 at 192, 1.4e-8, which the port's own 1e-7 parameter-noise ablation flips)."""
+    gaps = d["diag_index_gap"]
+    near = np.argwhere(~np.isnan(gaps) & (gaps <= 1e-7))[:, 1]
+    return int(near.min()) if near.size else d["input_ids"].shape[1]
+
+
 @pytest.mark.slow
 def test_rows_of_different_lengths_in_chunks(port):
-    """Two rows (203 and 150 tokens: prefixes of the port's sequence, so the port's one-shot logits
-    are the reference for both) prefilled in uneven chunks, then decoded: window wrap, several pool
-    blocks, top-k saturation and half-filled compression groups at every boundary."""
+    """Two rows (prefixes of the port's sequence, so the port's one-shot logits are the reference for
+    both) prefilled in two uneven chunks, then decoded: window wrap, several pool blocks, top-k saturation
+    and half-filled compression groups at every boundary. The rows end before the port's first top-k tied
+    below float32 resolution (`first_near_tie`), where any two float32 implementations may pick apart."""
     d, cfg, params, token_map = port
     ids = d["input_ids"][0]
     ref = d["logits_prefill"][0]
+    n0 = min(ids.size, first_near_tie(d))           # row 0: two chunks, then 6 decode steps
+    n1 = min(150, n0 - 40)                           # row 1: two chunks, then 1 decode step
+    a0, a1 = 97 * n0 // 203, 61 * n1 // 150          # first chunks
+    b0, b1 = n0 - 6 - a0, n1 - 1 - a1                # second chunks
     c = cache_lib.init_cache(cfg, 2, 256)
-    tokens = np.stack([ids[:128], ids[:128]])
-    logits, c = steps.prefill(params, cfg, c, tokens[:, :97], lengths=[97, 61], token_map=token_map)
-    errors = [np.abs(np.asarray(logits) - ref[[96, 60]]).max()]
-    rest = np.zeros((2, 100), np.int64)
-    rest[0, :100] = ids[97:197]
-    rest[1, :88] = ids[61:149]
-    logits, c = steps.prefill(params, cfg, c, rest, lengths=[100, 88], token_map=token_map)
-    errors.append(np.abs(np.asarray(logits) - ref[[196, 148]]).max())
+    first = np.zeros((2, a0), np.int64)
+    first[0], first[1, :a1] = ids[:a0], ids[:a1]
+    logits, c = steps.prefill(params, cfg, c, first, lengths=[a0, a1], token_map=token_map)
+    errors = [np.abs(np.asarray(logits) - ref[[a0 - 1, a1 - 1]]).max()]
+    rest = np.zeros((2, max(b0, b1)), np.int64)
+    rest[0, :b0] = ids[a0:a0 + b0]
+    rest[1, :b1] = ids[a1:a1 + b1]
+    logits, c = steps.prefill(params, cfg, c, rest, lengths=[b0, b1], token_map=token_map)
+    errors.append(np.abs(np.asarray(logits) - ref[[a0 + b0 - 1, a1 + b1 - 1]]).max())
     for step in range(6):
-        logits, c = steps.decode(params, cfg, c, [ids[197 + step], ids[149]] if step == 0 else
-                                 [ids[197 + step], 0], token_map=token_map)
-        errors.append(np.abs(np.asarray(logits)[0] - ref[197 + step]).max())
+        p0 = a0 + b0 + step
+        logits, c = steps.decode(params, cfg, c, [ids[p0], ids[n1 - 1] if step == 0 else 0], token_map=token_map)
+        errors.append(np.abs(np.asarray(logits)[0] - ref[p0]).max())
         if step == 0:
-            errors.append(np.abs(np.asarray(logits)[1] - ref[149]).max())
+            errors.append(np.abs(np.asarray(logits)[1] - ref[n1 - 1]).max())
     assert max(errors) < TOL, errors
-    assert c.lengths.tolist() == [203, 155]
+    assert c.lengths.tolist() == [n0, n1 + 5] and n0 >= 136  # long enough for every boundary above
 
 
 def test_prompt_beyond_the_cache_is_refused():

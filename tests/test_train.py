@@ -450,9 +450,12 @@ def test_periodic_evaluation_scores_the_held_out_rows(cfg):
 
 
 @pytest.mark.slow
-def test_gradient_accumulation_equals_the_whole_batch(cfg):
+def test_gradient_accumulation_equals_the_whole_batch():
     """Two micro-batches of 2 rows give the 4-row step: same loss, gradients (read from Adam's first
-    moment, 0.1·g after one step) and balance loads."""
+    moment, 0.1·g after one step) and balance loads. Two paths of one computation, so with quantisation
+    off: at qat the 2-row and 4-row programs round differently and flip near-tied indexer picks and pool
+    blocks (seen: layer 3's picks of row 2, query 16), which moves the KL by 4e-4."""
+    cfg = dsv41.load_config("tiny", MICRO + ["quant=none"])
     state = train.init_state(cfg, TC, jax.random.key(8))
     batch = next(passkey(12))
     whole, m1 = train.train_step_for(cfg, TC)(state, batch)
