@@ -36,12 +36,13 @@ def numpy_pool(scores, visible_count, max_blocks, block):
     return numpy_top_k(blocks, max_blocks)
 
 
-@pytest.mark.parametrize("tile", [8, 16, 64])
-def test_filled_top_k_ranks_as_numpy_over_the_filled_tiles(tile):
+@pytest.mark.parametrize("t,tile,block", [(64, 8, 8), (64, 16, 8), (64, 64, 8), (56, 24, 8), (60, 16, 4)])
+def test_filled_top_k_ranks_as_numpy_over_the_filled_tiles(t, tile, block):
+    """Tiles that divide the capacity, and tiles that do not (the last one overlaps the one before)."""
     rng = np.random.default_rng(0)
-    b, s, t, k, max_blocks, block = 2, 3, 64, 5, 3, 8
+    b, s, k, max_blocks = 2, 3, 5, 3
     scores = rng.integers(0, 4, (b, s, t)).astype(np.float32)  # many exact ties
-    visible = np.array([[9, 17, 30], [1, 0, 26]])               # entries each query may see
+    visible = np.array([[9, 17, t - 3], [1, 0, 26]])            # entries each query may see
     scores = np.where(np.arange(t) < visible[..., None], scores, -np.inf)
     tiles_run = []
 
@@ -88,22 +89,23 @@ def test_score_tile_must_hold_whole_pool_blocks():
 
 @pytest.mark.slow
 def test_tiled_steps_equal_one_pass_over_the_capacity():
-    """tiny (qat), rows of different lengths: prefill and decode scoring 8-entry tiles up to the filled
-    length give the logits and cache of scoring all 64 entries at once, exactly."""
+    """tiny (qat), rows of different lengths: prefill and decode scoring 40-entry tiles up to the filled
+    length (the decoder's 64 entries: a second tile from 24, overlapping the first) give the logits and
+    cache of scoring every entry at once, exactly."""
     rng = np.random.default_rng(3)
     out = {}
-    for tile in (1024, 8):
+    for tile in (1024, 40):
         cfg = dsv41.load_config("tiny", [f"runtime.score_tile={tile}"])
         params = model.init_params(cfg, jax.random.key(0))
-        tokens = rng.integers(0, cfg.architecture.vocab_size, (2, 30)) if tile == 1024 else tokens
+        tokens = rng.integers(0, cfg.architecture.vocab_size, (2, 48)) if tile == 1024 else tokens
         c = cache_lib.init_cache(cfg, 2, 64)
-        logits, c = steps.prefill(params, cfg, c, tokens[:, :24], [24, 13])
+        logits, c = steps.prefill(params, cfg, c, tokens[:, :44], [44, 13])
         got = [np.asarray(logits)]
-        for i in range(24, 28):
+        for i in range(44, 48):
             logits, c = steps.decode(params, cfg, c, tokens[:, i])
             got.append(np.asarray(logits))
         out[tile] = got, jax.tree.map(np.asarray, c)
-    for a, b in zip(out[1024][0], out[8][0]):
+    for a, b in zip(out[1024][0], out[40][0]):
         np.testing.assert_array_equal(a, b)
-    for a, b in zip(jax.tree.leaves(out[1024][1]), jax.tree.leaves(out[8][1])):
+    for a, b in zip(jax.tree.leaves(out[1024][1]), jax.tree.leaves(out[40][1])):
         np.testing.assert_array_equal(a, b)

@@ -242,7 +242,7 @@ def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
         mine["picks"] = jnp.where(mine["picks"] == jnp.iinfo(jnp.int32).max, -1, mine["picks"])
         return
     num, tile = store.leaves["index_keys"].shape[-2], attn.score_tile
-    if tile < num and num % tile == 0 and not attn.policy.lowering.unroll_layers:
+    if tile < num and num % attn.pool_block_size == 0 and not attn.policy.lowering.unroll_layers:
         _select_filled(attn, qI, w, positions_BS, visible_count, published, store, mine)
         return
     keys = dequant_keys(store.get("index_keys"), store.get("index_scales"))

@@ -172,9 +172,10 @@ def filled_top_k(tile_scores, rows_BS: tuple, num_entries: int, tile: int, fille
     cost follows its length, not the cache's capacity).
 
     tile_scores(start) -> [B, S, tile] scores of entries start … start + tile − 1 (−inf where not
-    selectable), rows_BS = (B, S); num_entries: the store's capacity T (a multiple of `tile`); filled: a traced count of the
-    entries any query may see, so ceil(filled / tile) tiles run (a loop with that trip count). pool: None,
-    or (max_blocks, block, visible_count_BS) to also choose the candidate pool (tile a multiple of block).
+    selectable), rows_BS = (B, S); num_entries: the store's capacity T (≥ tile; the last tile starts at
+    T − tile and drops what earlier tiles saw); filled: a traced count of the entries any query may see, so
+    ceil(filled / tile) tiles run (a loop with that trip count). pool: None, or (max_blocks, block,
+    visible_count_BS) to also choose the candidate pool (tile and T multiples of block).
     Returns (picks [B, S, k], pool block ids [B, S, max_blocks] or None), equal to scoring every entry:
     top-k keeps the lowest index among equal scores, and so does each merge of the running best with a
     tile's (the running best come first and hold lower indices)."""
@@ -198,14 +199,16 @@ def filled_top_k(tile_scores, rows_BS: tuple, num_entries: int, tile: int, fille
         state["pool"] = empty(min(max_blocks, n_blocks), n_blocks)
 
     def step(t, state):
-        start = t * tile
-        scores = tile_scores(start)
-        ids = jnp.broadcast_to(start + jnp.arange(tile, dtype=jnp.int32), scores.shape)
+        start = jnp.minimum(t * tile, num_entries - tile)  # the last tile may overlap the one before
+        entry = start + jnp.arange(tile, dtype=jnp.int32)
+        scores = jnp.where(entry >= t * tile, tile_scores(start), NEG_INF)  # each entry once
+        ids = jnp.broadcast_to(entry, scores.shape)
         out = {"picks": merge(state["picks"], scores, ids, k_eff)}
         if pool is not None:
             block_ids = start // block + jnp.arange(tile // block, dtype=jnp.int32)
             block_scores = scores.reshape(b, s, -1, block).max(-1)
             block_scores = jnp.where(block_ids == newest[..., None], jnp.inf, block_scores)
+            block_scores = jnp.where(block_ids * block >= t * tile, block_scores, NEG_INF)
             out["pool"] = merge(state["pool"], block_scores, jnp.broadcast_to(block_ids, block_scores.shape),
                                 state["pool"][0].shape[-1])
         return out
