@@ -130,15 +130,6 @@ def layer_stores(cfg, cache) -> dict[int, CompressedKV]:
     return out
 
 
-def with_layer_stores(cfg, cache, stores: dict) -> "Cache":
-    """The cache with the given layers' CompressedKV [B, ·] written into their stacked stores."""
-    compressed = list(cache.compressed)
-    for i, kv in stores.items():
-        k, g = store_of(cfg, i)
-        compressed[k] = jax.tree.map(lambda x, v: x.at[g].set(v), compressed[k], kv)
-    return dataclasses.replace(cache, compressed=tuple(compressed))
-
-
 def _shapes(cfg, batch: int, max_len: int) -> dict:
     if cfg.architecture.family == schema.V4:
         return _shapes_v4(cfg, batch, max_len)

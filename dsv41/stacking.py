@@ -38,14 +38,6 @@ def layer_path(path: tuple, g: int, stacks) -> tuple:
     return (LAYERS, _maps(stacks)[0][(s, j, g)], *path[4:])
 
 
-def stacked_path(path: tuple, stacks) -> tuple[tuple, int | None]:
-    """(stacked path, group) of a per-layer path `("layers", i, …)`; other paths as they are, group None."""
-    if path[:1] != (LAYERS,):
-        return path, None
-    s, g, j = _maps(stacks)[1][path[1]]
-    return ("stacks", s, "slots", j, *path[2:]), g
-
-
 def per_layer(state: nnx.State, cfg) -> list[tuple[tuple, nnx.Variable]]:
     """[(per-layer path, variable)] of a stacked state: a stacked leaf [G, ...] gives G variables, one per
     layer (slices, their `out_sharding` without the layers axis)."""
@@ -88,12 +80,6 @@ def from_per_layer(values, abstract: nnx.State, cfg, dtype_of=None) -> nnx.State
             array = values[path]
         flat.append((path, var.replace(jax.numpy.asarray(array, dtype=like.dtype))))
     return nnx.from_flat_state(flat)
-
-
-def layer_of(state: nnx.State, cfg, i: int) -> dict:
-    """{path below the layer: array} of layer i's parameters (sliced out of its stack)."""
-    s, g, j = _maps(layer_stacks(cfg))[1][i]
-    return {path: v.get_value()[g] for path, v in nnx.to_flat_state(state["stacks"][s]["slots"][j])}
 
 
 def _key_names(path) -> tuple[str, ...]:

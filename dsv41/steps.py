@@ -202,10 +202,6 @@ def _carry(cache: Cache, x, pre):
     return x, pre, cache.window, cache.window_scales, cache.window_start, cache.compressed
 
 
-def _embed(model, tokens_BS):
-    return model.embed_tokens(tokens_BS)
-
-
 def _head(model, x_BSND, pre, counts_B):
     rows, last = jnp.arange(x_BSND.shape[0]), jnp.maximum(counts_B - 1, 0)
     x = x_BSND[rows, last][:, None]
@@ -232,16 +228,13 @@ def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, eng
     model = nnx.merge(model_lib.graphdef(key, lowering), params)
     cfg = model_lib.config_from_key(key)
 
-    def run(model):
-        s = tokens_BS.shape[1]
-        inputs = _Inputs(cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32), jnp.arange(s) < counts_B[:, None],
-                         cache.lengths, tokens_BS, engram_ids_BSLC)
-        x, pre = _embed(model, tokens_BS)
-        carry, published = _run(model, cfg, None, _carry(cache, x, pre), {}, inputs)
-        return _head(model, carry[0], carry[1], counts_B), _finish(cfg, cache, cache.lengths + counts_B, carry,
-                                                                   published, counts_B)
-
-    return run(model)
+    s = tokens_BS.shape[1]
+    inputs = _Inputs(cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32), jnp.arange(s) < counts_B[:, None],
+                     cache.lengths, tokens_BS, engram_ids_BSLC)
+    x, pre = model.embed_tokens(tokens_BS)
+    carry, published = _run(model, cfg, None, _carry(cache, x, pre), {}, inputs)
+    return _head(model, carry[0], carry[1], counts_B), _finish(cfg, cache, cache.lengths + counts_B, carry,
+                                                               published, counts_B)
 
 
 _step = jax.jit(step_body, static_argnums=(0, 1), donate_argnums=3)
@@ -260,7 +253,7 @@ def _ced(key, lowering, params, cache: Cache, tokens_BS, counts_B, engram_ids_BS
     b, s = tokens_BS.shape
     positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)
     valid = jnp.arange(s) < counts_B[:, None]
-    x, pre = _embed(model, tokens_BS)
+    x, pre = model.embed_tokens(tokens_BS)
     carry, published = _run(model, cfg, "encoder", _carry(cache, x, pre), {},
                             _Inputs(positions, valid, cache.lengths, tokens_BS, engram_ids_BSLC))
     x, pre, window, window_scales, window_start, compressed = carry
@@ -311,7 +304,7 @@ def _replay(key, lowering, params, cache: Cache, tokens_BR, counts_B, engram_ids
     start = cache.lengths - counts_B
     positions = start[:, None] + jnp.arange(s, dtype=jnp.int32)
     valid = jnp.arange(s) < counts_B[:, None]
-    x, pre = _embed(model, tokens_BR)
+    x, pre = model.embed_tokens(tokens_BR)
     carry = _carry(cache, x, pre)
     carry = (*carry[:4], _restart(carry[4], encoder, counts_B > 0, start), carry[5])
     carry, published = _run(model, cfg, "encoder", carry, {},
