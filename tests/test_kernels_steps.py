@@ -12,6 +12,7 @@ import pytest
 
 import dsv41
 from dsv41 import config as config_lib
+from dsv41 import cache as cache_lib
 from dsv41 import steps
 from conftest import load_port_case
 
@@ -42,9 +43,39 @@ def test_prefill_chunk_and_decode_with_kernels_equal_the_reference():
     assert max(errors) < TOL, errors
     # And against the port's own logits at those positions.
     assert np.abs(np.asarray(logits_ker)[0] - d["logits_prefill"][0, 191]).max() < TOL
-    # The stored bytes are written by the same code either way: identical caches.
-    for a, b in zip(jax.tree.leaves(ker), jax.tree.leaves(ref)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The stored bytes are written by the same code either way, from inputs that differ by float32
+    # rounding (the kernels' attention output feeds the next layer): equal caches up to rounding flips.
+    assert_same_cache_up_to_flips(ker, ref)
+
+
+def assert_same_cache_up_to_flips(got, want, max_fraction=1e-3):
+    """Integer state equal; scale bytes equal; FP8 window codes and FP4 entry/key nibbles equal except
+    at most `max_fraction` of them, each then a neighbour on its grid (the code one step away, same
+    sign); float leftovers equal to TOL. A rounding-level difference before a cast flips a value that
+    sat on a rounding threshold to its neighbour (the quantised model is threshold-chaotic)."""
+    assert cache_lib.quantised(got) and cache_lib.quantised(want)
+    for field in ("lengths", "window_start", "pool_blocks", "recent_tokens"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)), field)
+    np.testing.assert_array_equal(np.asarray(got.window_scales), np.asarray(want.window_scales))
+    leaves = [("window", got.window, want.window, 8)]
+    for s, (g, w) in enumerate(zip(got.compressed, want.compressed)):
+        np.testing.assert_array_equal(np.asarray(g.entry_scales), np.asarray(w.entry_scales), f"{s} entry_scales")
+        np.testing.assert_array_equal(np.asarray(g.index_scales), np.asarray(w.index_scales), f"{s} index_scales")
+        for name in ("leftover", "index_leftover"):
+            np.testing.assert_allclose(np.asarray(getattr(g, name)), np.asarray(getattr(w, name)), rtol=0, atol=TOL,
+                                       err_msg=f"{s} {name}")
+        leaves += [(f"{s} entries", g.entries, w.entries, 4), (f"{s} index_keys", g.index_keys, w.index_keys, 4)]
+    for name, g, w, bits in leaves:
+        g, w = np.asarray(g).astype(np.int32), np.asarray(w).astype(np.int32)
+        codes = [(g, w)] if bits == 8 else [(g & 15, w & 15), (g >> 4, w >> 4)]
+        flips = 0
+        for cg, cw in codes:
+            differ = cg != cw
+            sign = 1 << (bits - 1)
+            neighbour = (np.abs(cg - cw) == 1) & ((cg & sign) == (cw & sign))
+            assert np.all(neighbour[differ]), f"{name}: a code moved by more than one grid step"
+            flips += int(differ.sum())
+        assert flips <= max_fraction * sum(c.size for c, _ in codes), f"{name}: {flips} flips"
 
 
 def test_a_bad_kernels_mode_is_refused(write_config):

@@ -173,6 +173,9 @@ def captured():
         ref(tokens, use_cache=False)
     for h in handles:
         h.remove()
+    calls["compress_inv_freq"] = ref.model.rotary_emb.compress_inv_freq.numpy()
+    calls["main_inv_freq"] = ref.model.rotary_emb.main_inv_freq.numpy()
+    calls["rope"] = dict(ref.config.rope_parameters, dim=int(ref.config.head_dim * ref.config.partial_rotary_factor))
     return {"calls": calls, "ours": ours, "tokens": tokens.numpy()}
 
 
@@ -207,12 +210,43 @@ def test_compressor_entries(captured):
         (x, _, _, _, _), (entries, _) = calls[("compressor", i)]
         attn = block.attn
         latent = attn.compressor(x)
-        rotated = apply_rope(latent, ix.entry_positions(latent, attn.record.ratio),
-                             np.asarray(attn.compressed_inv_freq, np.float32))
+        # The reference's own table (an input, like x): torch's float32 pow differs from NumPy's by up to
+        # 2 ulp on some CPUs, which at position 156 moves an entry by 1e-5 (the tables: next test).
+        rotated = apply_rope(latent, ix.entry_positions(latent, attn.record.ratio), calls["compress_inv_freq"])
         assert rotated.shape == entries[:, 0].shape and rotated.shape[1] >= 2
         np.testing.assert_allclose(rotated, entries[:, 0], rtol=1e-5, atol=1e-5, err_msg=f"layer {i}")
         compared.add(attn.record.mode)
     assert compared == {"csa", "hca"}
+
+
+def yarn_inv_freq_float64(theta, dim, factor, original, beta_fast, beta_slow):
+    """YaRN's inverse frequencies (arXiv 2309.00071) in float64, the reference's formula."""
+    def correction(rotations):
+        return dim * np.log(original / (rotations * 2 * np.pi)) / (2 * np.log(theta))
+    low, high = max(np.floor(correction(beta_fast)), 0), min(np.ceil(correction(beta_slow)), dim - 1)
+    ramp = np.clip((np.arange(dim // 2) - low) / (high - low + (0.001 if low == high else 0)), 0, 1)
+    pos = theta ** (np.arange(0, dim, 2) / dim)
+    return (1 / (factor * pos)) * ramp + (1 / pos) * (1 - ramp)
+
+
+@pytest.mark.slow
+def test_rope_tables_are_the_references_to_float32_rounding(captured):
+    """Our compressed (YaRN) and main tables against the float64 formula rounded to float32 and against
+    transformers' tables: within 4 ulp of each. Both sides evaluate the formula in float32 (pow, two
+    reciprocals, the ramp's product and sum: five roundings); torch's vectorised float32 pow differs from
+    NumPy's by 1-2 ulp, by how much depends on the CPU (reached here: 3 ulp from float64, 2 from torch)."""
+    ours, calls = captured["ours"], captured["calls"]
+    rope = calls["rope"]
+    y, dim = rope["compress"], rope["dim"]
+    exact = {"compress": yarn_inv_freq_float64(y["rope_theta"], dim, y["factor"], y["original_max_position_embeddings"],
+                                               y["beta_fast"], y["beta_slow"]).astype(np.float32),
+             "main": (1 / rope["main"]["rope_theta"] ** (np.arange(0, dim, 2) / dim)).astype(np.float32)}
+    assert [r.mode for r in ours.plan][:3] == ["window", "window", "csa"]
+    for name, mine in (("compress", ours.layer(2).attn.compressed_inv_freq), ("main", ours.layer(0).attn.inv_freq)):
+        mine = np.asarray(mine, np.float32)
+        for want, ulps in ((exact[name], 4), (calls[f"{name}_inv_freq"], 4)):
+            assert mine.shape == want.shape, name
+            assert np.abs(mine.view(np.int32) - want.view(np.int32)).max() <= ulps, (name, mine, want)
 
 
 @pytest.mark.slow
