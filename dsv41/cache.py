@@ -105,12 +105,12 @@ def store_slots(cfg) -> tuple[tuple[int, int], ...]:
     """(stack, slot) of each `Cache.compressed` entry: the stack slots whose layers own a compressor."""
     plan = layer_plan(cfg)
     return tuple((s, j) for s, st in enumerate(layer_stacks(cfg)) for j in range(st.slots)
-                 if plan[st.layers[0][j]].stores_entries)
+                 if plan[st.slot_layers(0, j)[0]].stores_entries)  # a store's slot holds one layer
 
 
 def store_of(cfg, layer: int) -> tuple[int, int]:
     """(index into `Cache.compressed`, group on its leading axis) of a layer that owns a compressor."""
-    s, g, j = layer_slot(cfg, layer)
+    s, g, j, _ = layer_slot(cfg, layer)
     slots = store_slots(cfg)
     if (s, j) not in slots:
         raise ValueError(f"layer: {layer}: expected a layer that owns a compressor, one of {full_layers(cfg)}")
@@ -205,7 +205,7 @@ def _stacked(cfg, per_layer: list) -> list:
     by_layer = dict(zip(full_layers(cfg), per_layer))
     out = []
     for s, j in store_slots(cfg):
-        layers = [group[j] for group in layer_stacks(cfg)[s].layers]
+        layers = list(layer_stacks(cfg)[s].grid(j))
         out.append(jax.tree.map(lambda x: _sds((len(layers), *x.shape), x.dtype), by_layer[layers[0]]))
     return out
 

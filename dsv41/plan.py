@@ -142,25 +142,64 @@ def counts(plan) -> dict[str, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
-    """`groups` identical groups of `slots` consecutive layers, run as one `lax.scan` over parameters
+    """`groups` identical groups of `width` consecutive layers, run as one `lax.scan` over parameters
     (and cache leaves) stacked on a leading layers axis of size `groups`; a stack of one group runs
-    unrolled. layers[g][j]: the layer at slot j of group g. The modules of slot j are built from the
-    records of group 0, whose layer numbers are what a group's layers call each other (a source outside
-    the stack is the same layer for every group)."""
+    unrolled. layers[g][i]: the i-th layer of group g. Inside a group, `runs` cuts the layers into
+    `slots`: slot j holds runs[j] consecutive identical layers (parameters [G, runs[j], ...]; a run of
+    more than one layer is an inner `lax.scan`). Only layers that own no cache store, feed no other layer
+    and have no Engram table share a slot. The modules of slot j are built from the records of group 0's
+    first layer of the slot, whose layer numbers are what a group's layers call each other (a source
+    outside the stack is the same layer for every group)."""
 
     layers: tuple[tuple[int, ...], ...]
+    runs: tuple[int, ...] = ()  # () : one layer per slot
+
+    def __post_init__(self):
+        if not self.runs:
+            object.__setattr__(self, "runs", (1,) * len(self.layers[0]))
+        assert sum(self.runs) == len(self.layers[0]), (self.layers, self.runs)
 
     @property
     def groups(self) -> int:
         return len(self.layers)
 
     @property
-    def slots(self) -> int:
+    def width(self) -> int:
+        """Layers per group."""
         return len(self.layers[0])
+
+    @property
+    def slots(self) -> int:
+        """Parameter slots per group: the layers traced for the stack."""
+        return len(self.runs)
 
     @property
     def first(self) -> int:
         return self.layers[0][0]
+
+    def offset(self, j: int) -> int:
+        """Where slot j starts inside a group."""
+        return sum(self.runs[:j])
+
+    def slot_layers(self, g: int, j: int) -> tuple[int, ...]:
+        """The layers of group g in slot j (runs[j] of them)."""
+        return self.layers[g][self.offset(j):self.offset(j) + self.runs[j]]
+
+    def grid(self, j: int) -> tuple:
+        """The layer numbers of slot j as its parameters' leading axes hold them: [G] (nested tuples
+        [G][R] for a run of more than one layer)."""
+        if self.runs[j] == 1:
+            return tuple(self.slot_layers(g, j)[0] for g in range(self.groups))
+        return tuple(self.slot_layers(g, j) for g in range(self.groups))
+
+    def locate(self, layer: int) -> tuple[int, int, int] | None:
+        """(group, slot, position in the slot's run) of a layer of this stack, else None."""
+        for g, group in enumerate(self.layers):
+            if layer in group:
+                i = group.index(layer)
+                j = max(k for k in range(self.slots) if self.offset(k) <= i)
+                return g, j, i - self.offset(j)
+        return None
 
 
 def _signature(r: LayerRecord, start: int, hash_layers: int, pools: set) -> tuple:
@@ -206,15 +245,35 @@ def _stacks(plan: tuple[LayerRecord, ...], hash_layers: int) -> tuple[Stack, ...
             if reps > 1 and p * reps > best[0] * best[1]:
                 best = (p, reps)
         p, reps = best
-        stacks.append(Stack(tuple(tuple(range(i + g * p, i + (g + 1) * p)) for g in range(reps))))
+        stacks.append(Stack(tuple(tuple(range(i + g * p, i + (g + 1) * p)) for g in range(reps)),
+                            _runs(plan, i, p, hash_layers, pools, readers)))
         i += p * reps
     return tuple(stacks)
 
 
-def layer_slot(cfg, layer: int) -> tuple[int, int, int]:
-    """(stack, group, slot) of a layer: where its parameters and cache leaves sit."""
+def _runs(plan, start: int, width: int, hash_layers: int, pools: set, readers: dict) -> tuple[int, ...]:
+    """The slots of a group starting at `start`: runs of consecutive layers with one signature that own no
+    store, feed no layer and have no Engram table (V4.1-Flash's Reuse layers after a Full or Reindex)."""
+    def plain(r):
+        return not r.stores_entries and not r.engram and r.index not in readers and r.index not in pools
+
+    runs, i = [], start
+    while i < start + width:
+        n = 1
+        sig = _signature(plan[i], start, hash_layers, pools)
+        while (i + n < start + width and plain(plan[i]) and plain(plan[i + n])
+               and _signature(plan[i + n], start, hash_layers, pools) == sig):
+            n += 1
+        runs.append(n)
+        i += n
+    return tuple(runs)
+
+
+def layer_slot(cfg, layer: int) -> tuple[int, int, int, int]:
+    """(stack, group, slot, position in the slot's run) of a layer: where its parameters and cache leaves
+    sit."""
     for s, st in enumerate(layer_stacks(cfg)):
-        for g, group in enumerate(st.layers):
-            if layer in group:
-                return s, g, group.index(layer)
+        at = st.locate(layer)
+        if at is not None:
+            return (s, *at)
     raise ValueError(f"layer: {layer}: expected 0..{num_layers(cfg) - 1}")

@@ -311,7 +311,7 @@ def gather_engram_rows(cfg, params, ids_BSLC):
     layers = [r.index for r in layer_plan(cfg) if r.engram]
     tables = {}
     for j, i in enumerate(layers):
-        s_, g, slot = layer_slot(cfg, i)  # an Engram layer is a one-group stack (plan.layer_stacks)
+        s_, g, slot, _ = layer_slot(cfg, i)  # an Engram layer is a one-group stack (plan.layer_stacks)
         ids = jax.device_put(ids_BSLC[:, :, j].reshape(-1), jax.memory.Space.Host)
         with compute_on("device_host"):
             # in bounds by construction (hash ids < rows): no bound check, whose constants would live on the device

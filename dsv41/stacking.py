@@ -3,7 +3,8 @@
 The model keeps each layer's parameters in its stack: `stacks.{s}.slots.{j}.…` with a leading layers
 axis [G, ...] (`plan.layer_stacks`). Everything outside the model speaks per layer — checkpoint files
 (`layers.{i}.attn.wq_a.w`), the official and transformers names, a test reading layer 6's indexer — and
-goes through the one map here: layer i = (stack s, group g, slot j) of `plan.layer_slot`.
+goes through the one map here: layer i = (stack s, group g, slot j, run position r) of `plan.layer_slot`;
+a slot holding a run of identical layers keeps its leaves [G, R, ...] (`plan.Stack.grid`).
 """
 
 from __future__ import annotations
@@ -20,41 +21,45 @@ LAYERS = "layers"
 
 
 @functools.lru_cache(maxsize=32)
-def _maps(stacks) -> tuple[dict, dict]:
-    to_layer, to_stack = {}, {}
-    for s, st in enumerate(stacks):
-        for g, group in enumerate(st.layers):
-            for j, i in enumerate(group):
-                to_layer[(s, j, g)] = i
-                to_stack[i] = (s, g, j)
-    return to_layer, to_stack
+def _grids(stacks) -> dict[tuple[int, int], np.ndarray]:
+    """{(stack, slot): the layer numbers [G] or [G, R] its leaves' leading axes hold}."""
+    return {(s, j): np.asarray(st.grid(j)) for s, st in enumerate(stacks) for j in range(st.slots)}
 
 
-def layer_path(path: tuple, g: int, stacks) -> tuple:
-    """The per-layer path of group g of a stacked path (other paths unchanged)."""
+def layer_path(path: tuple, at: tuple, stacks) -> tuple:
+    """The per-layer path of the leaf at index `at` ((g,) or (g, r)) of a stacked path (other paths
+    unchanged)."""
     if path[:1] != ("stacks",):
         return path
     s, j = path[1], path[3]
-    return (LAYERS, _maps(stacks)[0][(s, j, g)], *path[4:])
+    return (LAYERS, int(_grids(stacks)[(s, j)][at]), *path[4:])
+
+
+def stacked_axes(path: tuple, stacks) -> int:
+    """How many leading layers axes a path's leaves have: 0 (not stacked), 1 ([G]) or 2 ([G, R])."""
+    if path[:1] != ("stacks",):
+        return 0
+    return _grids(stacks)[(path[1], path[3])].ndim
 
 
 def per_layer(state: nnx.State, cfg) -> list[tuple[tuple, nnx.Variable]]:
-    """[(per-layer path, variable)] of a stacked state: a stacked leaf [G, ...] gives G variables, one per
-    layer (slices, their `out_sharding` without the layers axis)."""
+    """[(per-layer path, variable)] of a stacked state: a stacked leaf [G, ...] (or [G, R, ...]) gives one
+    variable per layer (slices, their `out_sharding` without the layers axes)."""
     stacks = layer_stacks(cfg)
     out = []
     for path, var in nnx.to_flat_state(state):
-        if path[:1] != ("stacks",):
+        n = stacked_axes(path, stacks)
+        if not n:
             out.append((path, var))
             continue
         value = var.get_value()
         axes = var.get_metadata().get("out_sharding")
-        for g in range(value.shape[0]):
-            one = var.replace(value[g] if not isinstance(value, jax.ShapeDtypeStruct)
-                              else jax.ShapeDtypeStruct(value.shape[1:], value.dtype))
+        for at in np.ndindex(*value.shape[:n]):
+            one = var.replace(value[at] if not isinstance(value, jax.ShapeDtypeStruct)
+                              else jax.ShapeDtypeStruct(value.shape[n:], value.dtype))
             if axes:
-                one.set_metadata("out_sharding", tuple(axes[1:]))
-            out.append((layer_path(path, g, stacks), one))
+                one.set_metadata("out_sharding", tuple(axes[n:]))
+            out.append((layer_path(path, at, stacks), one))
     return sorted(out, key=lambda pv: _order(pv[0]))
 
 
@@ -74,8 +79,11 @@ def from_per_layer(values, abstract: nnx.State, cfg, dtype_of=None) -> nnx.State
     flat = []
     for path, var in nnx.to_flat_state(abstract):
         like = var.get_value()
-        if path[:1] == ("stacks",):
-            array = np.stack([np.asarray(values[layer_path(path, g, stacks)]) for g in range(like.shape[0])])
+        n = stacked_axes(path, stacks)
+        if n:
+            grid = like.shape[:n]
+            array = np.stack([np.asarray(values[layer_path(path, at, stacks)]) for at in np.ndindex(*grid)])
+            array = array.reshape(*grid, *array.shape[1:])
         else:
             array = values[path]
         flat.append((path, var.replace(jax.numpy.asarray(array, dtype=like.dtype))))
@@ -97,21 +105,21 @@ def restack(old_tree, abstract_tree, cfg):
     buffers before the layer stacks) in the structure of `abstract_tree` (stacked): each stacked leaf is its
     G layers' leaves stacked. Raises ValueError naming a path the old tree lacks."""
     old = {_key_names(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(old_tree)[0]}
-    maps = _maps(layer_stacks(cfg))[0]
+    grids = _grids(layer_stacks(cfg))
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_tree)
     out = []
     for path, like in leaves:
         keys = _key_names(path)
+        grid = None
         if "stacks" in keys:
             at = keys.index("stacks")
-            s, j = int(keys[at + 1]), int(keys[at + 3])
-            groups = like.shape[0]
-            names = [(*keys[:at], LAYERS, str(maps[(s, j, g)]), *keys[at + 4:]) for g in range(groups)]
+            grid = grids[(int(keys[at + 1]), int(keys[at + 3]))]
+            names = [(*keys[:at], LAYERS, str(layer), *keys[at + 4:]) for layer in grid.flat]
         else:
             names = [keys]
         missing = [".".join(n) for n in names if n not in old]
         if missing:
             raise ValueError(f"checkpoint: no {missing[0]}: expected the per-layer tree of this config")
         values = [np.asarray(old[n]) for n in names]
-        out.append(np.stack(values) if "stacks" in keys else values[0])
+        out.append(values[0] if grid is None else np.stack(values).reshape(*grid.shape, *values[0].shape))
     return jax.tree_util.tree_unflatten(treedef, out)

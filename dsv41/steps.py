@@ -163,38 +163,37 @@ def _run(model, cfg, stage, carry, published, inputs: _Inputs, entries_ready=())
         spec = st.spec
         if stage is not None and plan[spec.first].stage != stage:
             continue
-        ready = [{group[j] in entries_ready for group in spec.layers} for j in range(spec.slots)]
+        ready = [{layer in entries_ready for layer in np.ravel(spec.grid(j))} for j in range(spec.slots)]
         if any(len(r) > 1 for r in ready):
             raise ValueError(f"entries_ready: {sorted(entries_ready)}: expected all or none of the layers of a stack")
 
-        def group(blocks, g, carry, published, s=s, spec=spec, ready=ready):
+        def layer_fn(block, at, carry, published, s=s, spec=spec, ready=ready):
             x, pre, window, window_scales, window_start, compressed = carry
             compressed = list(compressed)
-            for j, block in enumerate(blocks):
-                rec = block.attn.record  # group 0's: its sources inside the stack are this group's
-                layer = spec.first + g * spec.slots + j
-                ring = LayerStore({"values": window, "scales": window_scales}, layer)
-                stores, where = {}, {}
-                if rec.kv_source is not None:
-                    src = rec.kv_source
-                    if src in spec.layers[0]:
-                        k, src_group = slots.index((s, spec.layers[0].index(src))), g
-                    else:
-                        k, src_group = store_of(cfg, src)
-                    stores[src], where[src] = LayerStore(vars(compressed[k]).copy(), src_group), k
+            rec = block.attn.record  # group 0's: its sources inside the stack are this group's
+            ring = LayerStore({"values": window, "scales": window_scales}, at.layer)
+            stores, where = {}, {}
+            if rec.kv_source is not None:
+                src = rec.kv_source
+                inside = spec.locate(src)
+                if inside is not None and inside[0] == 0:  # in this group (a store's slot holds one layer)
+                    k, src_group = slots.index((s, inside[1])), at.g
+                else:
+                    k, src_group = store_of(cfg, src)
+                stores[src], where[src] = LayerStore(vars(compressed[k]).copy(), src_group), k
 
-                def attend(attn, h, ring=ring, layer=layer, stores=stores, j=j):
-                    return attention_step(attn, h, inputs.positions, inputs.valid, inputs.lengths, ring,
-                                          window_start[layer], published, stores, entries_ready=True in ready[j])
+            def attend(attn, h):
+                return attention_step(attn, h, inputs.positions, inputs.valid, inputs.lengths, ring,
+                                      window_start[at.layer], published, stores, entries_ready=True in ready[at.j])
 
-                ids = None if block.engram is None else model.engram_column(spec.layers[g][j], inputs.engram_ids)
-                x, pre, ring = block(x, pre, attend, ids, inputs.tokens)
-                window, window_scales = ring.leaves["values"], ring.leaves["scales"]
-                for src, k in where.items():
-                    compressed[k] = CompressedKV(**stores[src].leaves)
+            ids = None if block.engram is None else model.engram_column(at.layer, inputs.engram_ids)
+            x, pre, new_ring = block(x, pre, attend, ids, inputs.tokens)
+            window, window_scales = new_ring.leaves["values"], new_ring.leaves["scales"]
+            for src, k in where.items():
+                compressed[k] = CompressedKV(**stores[src].leaves)
             return (x, pre, window, window_scales, window_start, tuple(compressed)), published
 
-        carry, published, _ = st.run(group, carry, published)
+        carry, published, _ = st.run(layer_fn, carry, published)
     return carry, published
 
 

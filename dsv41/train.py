@@ -350,9 +350,10 @@ def update_balance(cfg, buffers: nnx.State, load: dict[int, jax.Array], rate: fl
     for path, var in flat.items():
         if not isinstance(var, BalanceBias):
             continue
-        counts = jnp.stack([load[group[path[3]]] for group in stacks[path[1]].layers])  # [G, E]
+        grid = np.asarray(stacks[path[1]].grid(path[3]))  # the slot's layers [G] or [G, R]
+        counts = jnp.stack([load[int(i)] for i in grid.flat]).reshape(*grid.shape, -1)  # [G, (R,) E]
         mean = jnp.mean(counts, axis=-1, keepdims=True)
-        imbalances.extend(jnp.mean(jnp.abs(counts - mean), axis=-1) / jnp.maximum(mean[:, 0], 1.0))
+        imbalances.extend((jnp.mean(jnp.abs(counts - mean), axis=-1) / jnp.maximum(mean[..., 0], 1.0)).reshape(-1))
         var = var.replace(var[...] + rate * jnp.sign(mean - counts))
         flat[path] = var
     out = nnx.from_flat_state(list(flat.items()))

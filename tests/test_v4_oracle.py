@@ -35,6 +35,8 @@ CASES = {
     "hca16": ("chhcw", 0, 150, 2, dict(sliding_window=12, index_topk=6,
                                       compress_rates={"compressed_sparse_attention": 4,
                                                       "heavily_compressed_attention": 16})),
+    # Two groups of (CSA, window, window): one scan over the groups, the window pair an inner scan.
+    "runs": ("cwwcww", 0, 160, 1, dict(sliding_window=16, index_topk=8)),
 }
 
 
@@ -99,6 +101,8 @@ def test_logits_match_transformers(name):
     case = run_case(name)
     types, hash_layers, seq, _, _ = CASES[name]
     cfg = case["cfg"]
+    if name == "runs":
+        assert [(st.groups, st.runs) for st in dsv41.plan.layer_stacks(cfg)] == [(2, (1, 2))]
     assert [r.mode for r in dsv41.layer_plan(cfg)] == [{"w": "window", "c": "csa", "h": "hca"}[t] for t in types]
     assert cfg.architecture.moe.hash_layers == hash_layers
     hca = cfg.v4.hca_ratio

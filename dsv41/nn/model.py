@@ -7,6 +7,8 @@ uses the last FFN site's `pre` (single-pass mHC, V4.1) or its own `hc_head` (cla
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,69 +21,124 @@ from dsv41.nn.policy import Policy
 from dsv41.plan import Stack, layer_plan, layer_stacks
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerAt:
+    """Where `LayerStack.run` is: group g and run position r (ints where unrolled, else traced), slot j
+    (static), `layer` the layer's number (an int where g and r are, else traced) and `first` the number of
+    group 0's first layer of the slot, whose record the slot's modules hold (static)."""
+
+    g: object
+    j: int
+    r: object
+    layer: object
+    first: int
+
+
 class LayerStack(nnx.Module):
-    """The Blocks of one stack: slot j holds the G layers `spec.layers[g][j]`, each parameter [G, ...]."""
+    """The Blocks of one stack: slot j holds the layers `spec.grid(j)`, each parameter [G, ...] ([G, R, ...]
+    for a run of R identical layers)."""
 
     def __init__(self, cfg, spec: Stack, tables: dict, pools: set, engram_rows: dict, *, policy: Policy,
                  rngs: nnx.Rngs):
         plan = layer_plan(cfg)
         self.spec = spec
-        self.unroll = policy.lowering.unroll_layers  # FLOP counting: every group traced on its own
+        self.unroll = policy.lowering.unroll_layers  # FLOP counting: every layer traced on its own
 
-        def slot(j):
-            rec = plan[spec.layers[0][j]]
-
-            @nnx.split_rngs(splits=spec.groups)
+        def stacked(count, build):
+            @nnx.split_rngs(splits=count)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
             def make(rngs):
+                return build(rngs)
+            return make
+
+        def slot(j):
+            rec = plan[spec.slot_layers(0, j)[0]]
+
+            def block(rngs):
                 return Block(cfg, rec, tables, rec.index in pools, engram_rows.get(rec.index), policy=policy,
                              rngs=rngs)
 
-            return make(rngs)
+            return stacked(spec.groups, block if spec.runs[j] == 1 else stacked(spec.runs[j], block))(rngs)
 
         self.slots = nnx.List([slot(j) for j in range(spec.slots)])
 
-    def run(self, group, carry, published: dict, *, record: bool = False, remat=None):
-        """Runs `group(blocks, g, carry, published) -> (carry, published)` over the stack's groups: blocks are
-        the group's Blocks (slot order), g its index (an int when the stack has one group, else traced).
-        `published` holds what earlier layers hand on (entries, picks, pools, keyed by layer as the records
-        of group 0 name them); a one-group stack returns it with its own additions, a scanned stack as it
-        came (nothing outside a scanned stack reads it, `plan.layer_stacks`). remat: None, or a
-        `jax.checkpoint` policy (`"all"`: save nothing) each group is rematerialised with. Returns (carry,
-        published, records): records[g][j] = {name: array} of what layer `spec.layers[g][j]` sowed (when
+    def run(self, layer_fn, carry, published: dict, *, record: bool = False, remat=None):
+        """Runs `layer_fn(block, at: LayerAt, carry, published) -> (carry, published)` for every layer of the
+        stack in order: the groups as one `lax.scan` (unrolled for a one-group stack), inside a group each
+        slot's run of layers as an inner `lax.scan` (a single layer as it is). `published` holds what
+        earlier layers hand on (entries, picks, pools, keyed by the layer numbers of group 0's records); a
+        one-group stack returns it with its own additions, a scanned stack as it came (nothing outside a
+        scanned stack reads it, `plan.layer_stacks`), and a run adds nothing (its layers feed no layer).
+        remat: None, or a `jax.checkpoint` policy (`"all"`: save nothing) each group is rematerialised with.
+        Returns (carry, published, records): records {layer: {name: array}} of what each layer sowed (when
         `record`)."""
+        spec = self.spec
         graphdef, state = nnx.split(self.slots)
 
+        def one(block, g, j, r, carry, published):
+            layer = spec.first + g * spec.width + spec.offset(j) + r
+            at = LayerAt(g, j, r, layer, spec.slot_layers(0, j)[0])
+            (carry, published), rec = nnx.capture(lambda b: layer_fn(b, at, carry, published),
+                                                  nnx.Intermediate)(block)
+            return carry, published, _plain(rec) if record else None
+
         def body(state_g, g, carry, published):
-            blocks = nnx.merge(graphdef, state_g)
-            (carry, published), rec = nnx.capture(lambda b: group(b, g, carry, dict(published)),
-                                                  nnx.Intermediate)(blocks)
-            return carry, published, [_plain(rec[j]) for j in range(len(blocks))] if record else None
+            published = dict(published)
+            recs = []
+            for j, slot in enumerate(nnx.merge(graphdef, state_g)):
+                if spec.runs[j] == 1:
+                    carry, published, rec = one(slot, g, j, 0, carry, published)
+                    recs.append([rec])
+                    continue
+                slot_def, slot_state = nnx.split(slot)
+                if self.unroll:
+                    out = []
+                    for r in range(spec.runs[j]):
+                        block = nnx.merge(slot_def, jax.tree.map(lambda v: v[r], slot_state))
+                        carry, published, rec = one(block, g, j, r, carry, published)
+                        out.append(rec)
+                    recs.append(out)
+                    continue
+
+                def inner(carry, xs, j=j, slot_def=slot_def, published=published):
+                    r, state_r = xs
+                    carry, _, rec = one(nnx.merge(slot_def, state_r), g, j, r, carry, published)
+                    return carry, rec
+
+                carry, rec = jax.lax.scan(inner, carry, (jnp.arange(spec.runs[j], dtype=jnp.int32), slot_state))
+                recs.append(rec)
+            return carry, published, recs if record else None
 
         if remat is not None:
             body = _checkpointed(body, remat)
-        if self.spec.groups == 1 or self.unroll:
-            records = []
-            for g in range(self.spec.groups):  # later groups see the published values of earlier ones
+        by_group = []
+        if spec.groups == 1 or self.unroll:
+            for g in range(spec.groups):  # later groups see the published values of earlier ones
                 carry, out, rec = body(jax.tree.map(lambda v: v[g], state), g, carry, published)
-                published = out if self.spec.groups == 1 else published
-                records.append(rec)
-            return carry, published, records if record else None
+                published = out if spec.groups == 1 else published
+                by_group.append(rec)
+        else:
+            def step(carry, xs):
+                g, state_g = xs
+                carry, _, rec = body(state_g, g, carry, published)
+                return carry, rec
 
-        def step(carry, xs):
-            g, state_g = xs
-            carry, _, rec = body(state_g, g, carry, published)
-            return carry, rec
-
-        carry, rec = jax.lax.scan(step, carry, (jnp.arange(self.spec.groups, dtype=jnp.int32), state))
+            carry, rec = jax.lax.scan(step, carry, (jnp.arange(spec.groups, dtype=jnp.int32), state))
+            by_group = [jax.tree.map(lambda v: v[g], rec) for g in range(spec.groups)] if record else []
         if not record:
             return carry, published, None
-        return carry, published, [jax.tree.map(lambda v: v[g], rec) for g in range(self.spec.groups)]
+        records = {}
+        for g, recs in enumerate(by_group):
+            for j, rec in enumerate(recs):
+                for r, layer in enumerate(spec.slot_layers(g, j)):
+                    records[layer] = rec[r] if isinstance(rec, list) else jax.tree.map(lambda v: v[r], rec)
+        return carry, published, records
 
-    def block(self, g: int, j: int) -> Block:
-        """The Block of group g, slot j, as a module of its own (its parameters sliced out)."""
+    def block(self, g: int, j: int, r: int = 0) -> Block:
+        """The Block of group g, slot j, run position r, as a module of its own (its parameters sliced out)."""
         graphdef, state = nnx.split(self.slots[j])
-        return nnx.merge(graphdef, jax.tree.map(lambda v: v[g], state))
+        at = (g,) if self.spec.runs[j] == 1 else (g, r)
+        return nnx.merge(graphdef, jax.tree.map(lambda v: v[at], state))
 
 
 def _checkpointed(body, remat):
@@ -129,9 +186,9 @@ class Transformer(nnx.Module):
     def layer(self, i: int) -> Block:
         """Layer i's Block as a module of its own (for inspection and the training losses)."""
         for st in self.stacks:
-            for g, group in enumerate(st.spec.layers):
-                if i in group:
-                    return st.block(g, group.index(i))
+            at = st.spec.locate(i)
+            if at is not None:
+                return st.block(*at)
         raise IndexError(f"layer: {i}: expected 0..{self.num_layers - 1}")
 
     def embed_tokens(self, tokens_BS):
@@ -151,23 +208,18 @@ class Transformer(nnx.Module):
         {name: array} of what it sowed (its attention input, picks, pool, entries, routed experts)."""
         x_BSND, pre = self.embed_tokens(tokens_BS)
         published: dict = {}
-        records: list = [None] * self.num_layers
+        records: dict = {}
+
+        def layer(block, at, carry, published):
+            x_BSND, pre = carry
+            ids = None if block.engram is None else self.engram_column(at.layer, engram_ids_BSLC)
+            x_BSND, pre, _ = block(x_BSND, pre, lambda attn, h: (attn(h, positions_BS, published), None),
+                                   ids, tokens_BS)
+            return (x_BSND, pre), published
+
         for st in self.stacks:
-            spec = st.spec
-
-            def group(blocks, g, carry, published, spec=spec):
-                x_BSND, pre = carry
-                for j, block in enumerate(blocks):
-                    ids = None if block.engram is None else self.engram_column(spec.layers[g][j], engram_ids_BSLC)
-                    x_BSND, pre, _ = block(x_BSND, pre, lambda attn, h: (attn(h, positions_BS, published), None),
-                                           ids, tokens_BS)
-                return (x_BSND, pre), published
-
-            (x_BSND, pre), published, rec = st.run(group, (x_BSND, pre), published, record=record, remat=remat)
-            if record:
-                for g, group_rec in enumerate(rec):
-                    for j, layer in enumerate(spec.layers[g]):
-                        records[layer] = group_rec[j]
+            (x_BSND, pre), published, rec = st.run(layer, (x_BSND, pre), published, record=record, remat=remat)
+            records.update(rec or {})
         h = self.norm(self.hc_head(x_BSND) if self.hc_head is not None else mhc.collapse(x_BSND, pre))
         logits = self.head(h).astype(jnp.float32)
-        return (logits, tuple(records)) if record else logits
+        return (logits, tuple(records[i] for i in range(self.num_layers))) if record else logits

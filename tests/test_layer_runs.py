@@ -1,0 +1,104 @@
+"""Runs of identical layers inside a scanned group (`plan.Stack.runs`): V4.1-Flash's `[full, reuse×5]` and
+`[reindex, reuse×3]` groups keep their Reuse layers in one parameter slot [G, R, ...], run as an inner
+`lax.scan`, so 10 of its 40 layers are traced. Checked on a cut-down tiny model with two
+`[full, reuse, reuse]` groups (`quant: none`): the cached steps equal the teacher-forced forward, the
+per-layer view of the parameters round-trips, and the MoE bias update reaches every layer of a run.
+V4 compat's runs are checked against transformers in test_v4_oracle (case `runs`)."""
+
+import jax
+import numpy as np
+import pytest
+
+import dsv41
+from dsv41 import cache as cache_lib
+from dsv41 import config as config_lib
+from dsv41 import model as model_lib
+from dsv41 import stacking, steps, train
+from dsv41.nn.moe import BalanceBias
+
+TOL = 1e-5  # the cached and the teacher-forced paths differ in summation order only (as test_cache_float)
+
+
+def runs_config():
+    d = dsv41.load_config("tiny", ["quant=none"]).to_dict()
+    d["csa2"]["encoder"].update(layers=8, groups=[{"size": 3, "modes": ["full", "reuse", "reuse"]}] * 2)
+    d["csa2"]["decoder"].update(layers=2, groups=[{"size": 1, "modes": ["full"]}, {"size": 1, "modes": ["reindex"]}])
+    d["architecture"]["mhc"]["sinkhorn_iters"] = 3
+    return config_lib.build(d)
+
+
+def test_the_v41_flash_reuse_layers_share_one_slot_per_group():
+    cfg = dsv41.load_config("v41_flash")
+    plan = dsv41.layer_plan(cfg)
+    stacks = dsv41.plan.layer_stacks(cfg)
+    assert [(st.groups, st.runs) for st in stacks] == [(1, (1,)), (1, (1,)), (2, (1, 5)), (1, (1,)), (5, (1,)),
+                                                        (1, (1,)), (3, (1,)), (4, (1, 3))]
+    assert sum(st.slots for st in stacks) == 10
+    for st in stacks:
+        for j in range(st.slots):
+            layers = np.ravel(st.grid(j))
+            assert len({plan[i].mode for i in layers}) == 1
+            if st.runs[j] > 1:  # a run: Reuse layers that store nothing and feed nobody
+                assert {plan[i].mode for i in layers} == {"reuse"} and not any(plan[i].engram for i in layers)
+    # Every layer sits in exactly one (stack, group, slot, run position).
+    seen = {dsv41.plan.layer_slot(cfg, i) for i in range(len(plan))}
+    assert len(seen) == len(plan) == 40
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = runs_config()
+    stacks = dsv41.plan.layer_stacks(cfg)
+    assert [(st.groups, st.runs) for st in stacks] == [(2, (1,)), (2, (1, 2)), (1, (1,)), (1, (1,))]
+    params = dsv41.init_params(cfg, jax.random.key(0))
+    return cfg, params
+
+
+def test_run_parameters_are_stacked_per_layer_and_round_trip(model):
+    cfg, params = model
+    leaf = params["stacks"][1]["slots"][1]["attn"]["wq_a"]["w"]
+    assert leaf.shape[:2] == (2, 2)  # [G, R, ...]
+    per = stacking.layer_dict(params, cfg)
+    # layer 2 + 3g + 1 + r holds leaf[g, r]; the four Reuse layers are four different arrays.
+    for g in range(2):
+        for r in range(2):
+            np.testing.assert_array_equal(per[("layers", 2 + 3 * g + 1 + r, "attn", "wq_a", "w")], leaf[g, r])
+    assert len({per[("layers", i, "attn", "wq_a", "w")].tobytes() for i in (3, 4, 6, 7)}) == 4
+    back = stacking.from_per_layer(per, params, cfg)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_the_bias_update_reaches_every_layer_of_a_run(model):
+    cfg, params = model
+    from flax import nnx
+
+    e = cfg.architecture.moe.num_experts
+    buffers = nnx.state(model_lib.build_model(cfg, nnx.Rngs(0)), BalanceBias)
+    load = {i: np.eye(e)[i % e] * (i + 1) for i in range(len(dsv41.layer_plan(cfg)))}
+    new, _ = train.update_balance(cfg, buffers, {i: jax.numpy.asarray(v) for i, v in load.items()}, 1.0)
+    got = {path[1]: np.asarray(v.get_value()) for path, v in stacking.per_layer(new, cfg)
+           if path[0] == "layers"}
+    before = {path[1]: np.asarray(v.get_value()) for path, v in stacking.per_layer(buffers, cfg)
+              if path[0] == "layers"}
+    for i, counts in load.items():
+        if i in got:  # bias += sign(mean - load): the one loaded expert goes down, the others up
+            np.testing.assert_array_equal(got[i] - before[i], np.sign(counts.mean() - counts))
+    assert {3, 4, 6, 7} <= set(got)
+
+
+def test_cached_steps_equal_the_forward(model):
+    cfg, params = model
+    ids = np.random.default_rng(0).integers(0, cfg.architecture.vocab_size, (2, 44))
+    ref = np.asarray(dsv41.forward(params, cfg, ids))
+    c = cache_lib.init_cache(cfg, 2, 64)
+    first = (40, 29)
+    chunk = np.where(np.arange(40) < np.array(first)[:, None], ids[:, :40], 0)
+    logits, c = steps.prefill(params, cfg, c, chunk, lengths=first)
+    errors = [np.abs(np.asarray(logits) - ref[[0, 1], [first[0] - 1, first[1] - 1]]).max()]
+    held = np.array(first)
+    for _ in range(3):
+        logits, c = steps.decode(params, cfg, c, ids[[0, 1], held])
+        errors.append(np.abs(np.asarray(logits) - ref[[0, 1], held]).max())
+        held = held + 1
+    assert max(errors) < TOL * max(1.0, np.abs(ref).std()), errors
