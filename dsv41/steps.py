@@ -187,10 +187,12 @@ def _run(model, cfg, stage, carry, published, inputs: _Inputs, entries_ready=())
                                       window_start[at.layer], published, stores, entries_ready=True in ready[at.j])
 
             ids = None if block.engram is None else model.engram_column(at.layer, inputs.engram_ids)
-            x, pre, new_ring = block(x, pre, attend, ids, inputs.tokens)
+            x, pre, (new_ring, new_stores, handoff) = block(x, pre, attend, ids, inputs.tokens)
             window, window_scales = new_ring.leaves["values"], new_ring.leaves["scales"]
             for src, k in where.items():
-                compressed[k] = CompressedKV(**stores[src].leaves)
+                compressed[k] = CompressedKV(**new_stores[src].leaves)
+            if handoff is not None:
+                published = {**published, rec.index: handoff}
             return (x, pre, window, window_scales, window_start, tuple(compressed)), published
 
         carry, published, _ = st.run(layer_fn, carry, published)
@@ -214,7 +216,7 @@ def _finish(cfg, cache, lengths, carry, published, counts_B):
     sources = [r.candidate_source for r in layer_plan(cfg) if r.candidate_source is not None]
     if sources and sources[0] in published:
         rows, last = jnp.arange(counts_B.shape[0]), jnp.maximum(counts_B - 1, 0)
-        pool = jnp.where((counts_B > 0)[:, None], published[sources[0]]["pool_ids"][rows, last], pool)
+        pool = jnp.where((counts_B > 0)[:, None], published[sources[0]].pool_ids[rows, last], pool)
     return Cache(lengths=lengths, window=window, window_scales=window_scales, compressed=compressed,
                  window_start=window_start, pool_blocks=pool, recent_tokens=cache.recent_tokens)
 
@@ -258,9 +260,9 @@ def _ced(key, lowering, params, cache: Cache, tokens_BS, counts_B, engram_ids_BS
     x, pre, window, window_scales, window_start, compressed = carry
     block = model.layer(source)
     k, g = store_of(cfg, source)
-    stores = {source: LayerStore(vars(compressed[k]).copy(), g)}
-    write_entries(block.attn, block.attn_norm(mhc.collapse(x, pre)), cache.lengths, counts_B, stores)
-    compressed = (*compressed[:k], CompressedKV(**stores[source].leaves), *compressed[k + 1:])
+    store = write_entries(block.attn, block.attn_norm(mhc.collapse(x, pre)), cache.lengths, counts_B,
+                          LayerStore(vars(compressed[k]).copy(), g))
+    compressed = (*compressed[:k], CompressedKV(**store.leaves), *compressed[k + 1:])
     new_len = cache.lengths + counts_B
     if not replay:
         carry = (x, pre, window, window_scales, window_start, compressed)

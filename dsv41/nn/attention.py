@@ -13,6 +13,8 @@ and the new tokens, each query's picked entries), as `attention_cache` and the k
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,30 @@ from dsv41.plan import CSA, FULL, REINDEX, LayerRecord
 
 NEG_INF = -jnp.inf
 HI = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class Handoff:
+    """What a layer hands the later layers that name it as a source (`LayerRecord.kv_source`,
+    `index_source`, `candidate_source`): returned by its attention, passed along keyed by its layer
+    number, never mutated. Fields a layer does not produce are None.
+
+    entries [B, T, K], index_keys [B, T, dI]: a compressing layer's rotated entries and indexer keys
+    (the whole-sequence form; the cached step's layers read them from the store instead).
+    picks [B, S, k]: an index source's top-k entry ids (−1: none); selected [B, S, T]: the same as a mask
+    (whole-sequence form). pool_ids [B, S, M]: the candidate source's pool as block ids, ascending then
+    −1 (cached step); pool [B, S, T]: the pool as an entry mask (whole-sequence form)."""
+
+    entries: jax.Array | None = None
+    index_keys: jax.Array | None = None
+    picks: jax.Array | None = None
+    selected: jax.Array | None = None
+    pool_ids: jax.Array | None = None
+    pool: jax.Array | None = None
+
+
+jax.tree_util.register_dataclass(Handoff, data_fields=[f.name for f in dataclasses.fields(Handoff)],
+                                 meta_fields=[])
 
 
 class Attention(nnx.Module):
@@ -75,7 +101,8 @@ class Attention(nnx.Module):
                         if record.mode in (FULL, REINDEX) else None)
 
     def __call__(self, x_BSD, positions_BS, published: dict):
-        """Attention output [B, S, D]; a Full/Reindex layer adds what it publishes to `published`."""
+        """(attention output [B, S, D], this layer's `Handoff` or None). published: {layer: Handoff} of the
+        layers before it."""
         b, s, _ = x_BSD.shape
         rec = self.record
         inv_freq = np.asarray(self.inv_freq, np.float32)
@@ -90,11 +117,13 @@ class Attention(nnx.Module):
         self.sow(nnx.Intermediate, "window_kv", kv)
 
         keys, mask = kv, window_mask(positions_BS, positions_BS, self.window)
+        mine = None
         if rec.ratio:
-            self._publish(x_BSD, qr, positions_BS, published)
-            entries = published[rec.kv_source]["entries"]
+            mine = self._publish(x_BSD, qr, positions_BS, published)
+            seen = {**published, rec.index: mine} if mine is not None else published
+            entries = seen[rec.kv_source].entries
             keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
-            chosen = (published[rec.index_source]["selected"] if rec.selects  # top-k (CSA, CSA2)
+            chosen = (seen[rec.index_source].selected if rec.selects  # top-k (CSA, CSA2)
                       else ix.visible_entries(positions_BS, rec.ratio, entries.shape[1]))  # all (HCA)
             mask = jnp.concatenate([mask, chosen], axis=-1)
 
@@ -103,40 +132,41 @@ class Attention(nnx.Module):
         grouped = out.reshape(b, s, self.groups, -1)
         y = jnp.einsum("bsgi,gio->bsgo", grouped.astype(self.policy.compute_dtype),
                        self.wo_a[...].astype(self.policy.compute_dtype), precision=self.policy.precision)
-        return self.wo_b(y.reshape(b, s, -1))
+        return self.wo_b(y.reshape(b, s, -1)), mine
 
-    def _publish(self, x_BSD, qr_BSQ, positions_BS, published: dict):
+    def _publish(self, x_BSD, qr_BSQ, positions_BS, published: dict) -> Handoff | None:
         rec = self.record
         cinv = np.asarray(self.compressed_inv_freq, np.float32)
+        entries = index_keys = None
         if rec.stores_entries:
             latent = self.compressor(x_BSD)  # [B, T, K] before RoPE
             entry_pos = ix.entry_positions(latent, rec.ratio)
             entries = apply_rope(latent, entry_pos, cinv)
             if self.fake_quant:
                 entries = quant.fake_quant(entries, quant.FP4_E4M3_16)
-            published[rec.index] = {"entries": entries}
             self.sow(nnx.Intermediate, "entries", entries)
             if self.indexer is not None and self.indexer.wk is not None:
-                published[rec.index]["index_keys"] = self.indexer.keys(latent, entry_pos, cinv, self.fake_quant)
-                self.sow(nnx.Intermediate, "index_keys", published[rec.index]["index_keys"])
+                index_keys = self.indexer.keys(latent, entry_pos, cinv, self.fake_quant)
+                self.sow(nnx.Intermediate, "index_keys", index_keys)
         if self.indexer is None:
-            return
-        source = published[rec.kv_source]
-        num_entries = source["entries"].shape[1]
+            return Handoff(entries=entries, index_keys=index_keys) if entries is not None else None
+        source = Handoff(entries=entries, index_keys=index_keys) if rec.stores_entries else published[rec.kv_source]
+        num_entries = source.entries.shape[1]
         visible = ix.visible_entries(positions_BS, rec.ratio, num_entries)
-        scores = self.indexer.scores(x_BSD, qr_BSQ, positions_BS, source["index_keys"], visible, cinv,
+        scores = self.indexer.scores(x_BSD, qr_BSQ, positions_BS, source.index_keys, visible, cinv,
                                      self.fake_quant)
-        mine = published.setdefault(rec.index, {})
+        pool = None
         if self.builds_pool:
             blocks = ix.candidate_blocks(scores, (positions_BS + 1) // rec.ratio, self.pool_max_blocks,
                                          self.pool_block_size)
             self.sow(nnx.Intermediate, "pool_blocks", blocks)
-            mine["pool"] = ix.blocks_to_entries(blocks, self.pool_block_size, num_entries)
+            pool = ix.blocks_to_entries(blocks, self.pool_block_size, num_entries)
         if rec.candidate_source is not None:
-            scores = jnp.where(published[rec.candidate_source]["pool"], scores, NEG_INF)
-        mine["picks"] = ix.top_k_indices(scores, self.top_k)
-        self.sow(nnx.Intermediate, "picks", mine["picks"])
-        mine["selected"] = ix.indices_to_mask(mine["picks"], num_entries)
+            scores = jnp.where(published[rec.candidate_source].pool, scores, NEG_INF)
+        picks = ix.top_k_indices(scores, self.top_k)
+        self.sow(nnx.Intermediate, "picks", picks)
+        return Handoff(entries=entries, index_keys=index_keys, picks=picks,
+                       selected=ix.indices_to_mask(picks, num_entries), pool=pool)
 
 
 class AttentionV4(Attention):
@@ -157,19 +187,20 @@ class AttentionV4(Attention):
                                      a.norm_eps, policy=policy, rngs=rngs)
                         if record.mode == CSA else None)
 
-    def _publish(self, x_BSD, qr_BSQ, positions_BS, published: dict):
+    def _publish(self, x_BSD, qr_BSQ, positions_BS, published: dict) -> Handoff:
         rec = self.record
         cinv = np.asarray(self.compressed_inv_freq, np.float32)
         latent = self.compressor(x_BSD)  # [B, T, K] before RoPE
-        mine = published[rec.index] = {"entries": apply_rope(latent, ix.entry_positions(latent, rec.ratio), cinv)}
+        entries = apply_rope(latent, ix.entry_positions(latent, rec.ratio), cinv)
         if self.indexer is None:
-            return
-        mine["index_keys"] = self.indexer.keys(x_BSD, cinv)
+            return Handoff(entries=entries)
+        index_keys = self.indexer.keys(x_BSD, cinv)
         visible = ix.visible_entries(positions_BS, rec.ratio, latent.shape[1])
-        scores = self.indexer.scores(x_BSD, qr_BSQ, positions_BS, mine["index_keys"], visible, cinv)
-        mine["picks"] = ix.top_k_indices(scores, self.top_k)
-        self.sow(nnx.Intermediate, "picks", mine["picks"])
-        mine["selected"] = ix.indices_to_mask(mine["picks"], latent.shape[1])
+        scores = self.indexer.scores(x_BSD, qr_BSQ, positions_BS, index_keys, visible, cinv)
+        picks = ix.top_k_indices(scores, self.top_k)
+        self.sow(nnx.Intermediate, "picks", picks)
+        return Handoff(entries=entries, index_keys=index_keys, picks=picks,
+                       selected=ix.indices_to_mask(picks, latent.shape[1]))
 
 
 def window_mask(q_pos_BS, k_pos_BT, window: int):

@@ -23,7 +23,7 @@ from dsv41 import quant
 from dsv41.kernels import dispatch
 from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, packed, ring_positions
 from dsv41.nn import indexer as ix
-from dsv41.nn.attention import AttentionV4, attend_step, window_keys
+from dsv41.nn.attention import AttentionV4, Handoff, attend_step, window_keys
 from dsv41.nn.indexer import pool_gather_scores
 from dsv41.nn.norm import rms_normalize
 from dsv41.nn.rope import apply_rope
@@ -92,8 +92,10 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerSt
     """One layer over the cache. `ring`: this layer's window ring, leaves "values" [B,W,K] and "scales"
     [B,W,K/32] (`kv_store.LayerStore`), holding positions >= window_start (FP8 bytes; the float cache:
     floats and no scales); `stores` maps the layers that own a compressor (as the layer's record names
-    them) to their `LayerStore` of `CompressedKV` leaves (updated in the dict); `entries_ready`: the
-    compressor already wrote these tokens' entries (a CED replay). Returns (y [B,S,D], ring)."""
+    them) to their `LayerStore` of `CompressedKV` leaves; published: {layer: Handoff} of the layers before
+    it; `entries_ready`: the compressor already wrote these tokens' entries (a CED replay).
+    Returns (y [B,S,D], (ring, stores, handoff)): the new ring, `stores` with this layer's store updated
+    (a new dict), and what it hands on (its picks and pool ids) or None."""
     rec = attn.record
     b, s, _ = x_BSD.shape
     counts = valid_BS.sum(-1).astype(jnp.int32)
@@ -125,14 +127,17 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerSt
     slot = positions_BS % attn.window
     ring = ring.write("values", kv_vals, slot, keep).write("scales", kv_scales, slot, keep)
 
-    sel = sel_ok = shared = picks = None
+    sel = sel_ok = shared = picks = handoff = None
     banded = keys_w.ndim == 4
     if rec.ratio and isinstance(attn, AttentionV4):
-        sel, sel_ok, shared = _compressed_v4(attn, x_BSD, qr, positions_BS, lengths_B, counts, stores)
+        sel, sel_ok, shared, store = _compressed_v4(attn, x_BSD, qr, positions_BS, lengths_B, counts,
+                                                    stores[rec.index])
+        stores = {**stores, rec.index: store}
     elif rec.ratio:
-        _publish_step(attn, x_BSD, qr, positions_BS, valid_BS, lengths_B, counts, published, stores, entries_ready)
+        stores, handoff = _publish_step(attn, x_BSD, qr, positions_BS, lengths_B, counts, published, stores,
+                                        entries_ready)
         store = stores[rec.kv_source]
-        picks = published[rec.index_source]["picks"]                      # [B, S, k]
+        picks = (handoff if handoff is not None else published[rec.index_source]).picks   # [B, S, k]
         if not quantised or kernel_impl(attn) == "reference" or banded:
             sel = dequant_entries(store.gather("entries", picks), store.gather("entry_scales", picks))
             sel, sel_ok = sel.astype(kv.dtype), picks >= 0
@@ -143,15 +148,15 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerSt
     out = apply_rope(out, positions_BS, inv_freq, inverse=True)
     y = jnp.einsum("bsgi,gio->bsgo", out.reshape(b, s, attn.groups, -1).astype(attn.policy.compute_dtype),
                    attn.wo_a[...].astype(attn.policy.compute_dtype), precision=attn.policy.precision)
-    return attn.wo_b(y.reshape(b, s, -1)), ring
+    return attn.wo_b(y.reshape(b, s, -1)), (ring, stores, handoff)
 
 
-def _compressed_v4(attn, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, stores):
-    """A V4 CSA/HCA layer over its own store: (selected [B,S,k,K], their validity, None) for CSA, the
-    top-k of its indexer; (None, None, (entries [B,T,K], visible [B,S,T])) for HCA, every visible entry."""
+def _compressed_v4(attn, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, store: LayerStore):
+    """A V4 CSA/HCA layer over its own store: (selected [B,S,k,K], their validity, None, store) for CSA,
+    the top-k of its indexer; (None, None, (entries [B,T,K], visible [B,S,T]), store) for HCA, every
+    visible entry; `store` with the new tokens' entries written."""
     rec, indexer = attn.record, attn.indexer
     cinv = np.asarray(attn.compressed_inv_freq, np.float32)
-    store = stores[rec.index]
     latent, entry, done, leftover = compress_step(attn.compressor, x_BSD, lengths_B, counts_B, store.get("leftover"))
     store = store.write("entries", apply_rope(latent, rec.ratio * entry, cinv), entry, done).put("leftover", leftover)
     if indexer is not None:
@@ -159,53 +164,51 @@ def _compressed_v4(attn, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, store
                                                         store.get("index_leftover"))
         store = store.write("index_keys", apply_rope(latent, rec.ratio * entry, cinv), entry, done)
         store = store.put("index_leftover", index_left)
-    stores[rec.index] = store
     entries = store.get("entries")
     visible = ix.visible_entries(positions_BS, rec.ratio, entries.shape[1])
     if indexer is None:
-        return None, None, (entries, visible)
+        return None, None, (entries, visible), store
     b, s, _ = x_BSD.shape
     q = apply_rope(indexer.wq_b(qr_BSQ).reshape(b, s, indexer.heads, indexer.head_dim), positions_BS, cinv)
     picks = ix.top_k_indices(ix.lightning_scores(q, store.get("index_keys"), indexer.weights_proj(x_BSD), visible,
                                                  indexer.unroll), attn.top_k)
-    return store.gather("entries", picks), picks >= 0, None
+    return store.gather("entries", picks), picks >= 0, None, store
 
 
-def _publish_step(attn, x_BSD, qr_BSQ, positions_BS, valid_BS, lengths_B, counts_B, published, stores,
-                  entries_ready=False):
+def _publish_step(attn, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, published, stores, entries_ready=False):
+    """(stores with a Full layer's new entries written, the Handoff of an index source or None)."""
     rec = attn.record
     if rec.stores_entries and not entries_ready:
-        write_entries(attn, x_BSD, lengths_B, counts_B, stores)
+        stores = {**stores, rec.index: write_entries(attn, x_BSD, lengths_B, counts_B, stores[rec.index])}
     if attn.indexer is None:
-        return
-    _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores)
+        return stores, None
+    return stores, _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores[rec.kv_source])
 
 
-def write_entries(attn, x_BSD, lengths_B, counts_B, stores):
-    """A Full layer's compressor over the new tokens: completed entries and indexer keys into its store."""
+def write_entries(attn, x_BSD, lengths_B, counts_B, store: LayerStore) -> LayerStore:
+    """A Full layer's compressor over the new tokens: its store with the completed entries and indexer
+    keys written."""
     rec = attn.record
     cinv = np.asarray(attn.compressed_inv_freq, np.float32)
-    store = stores[rec.index]
     latent, entry, done, leftover = compress_step(attn.compressor, x_BSD, lengths_B, counts_B, store.get("leftover"))
     pos = rec.ratio * entry
     entries, keys = apply_rope(latent, pos, cinv), attn.indexer.keys(latent, pos, cinv, fake_quant=False)
     store = store.put("leftover", leftover)
     if not packed(store.leaves["entries"]):  # the float cache: the values themselves, no scales
-        stores[rec.index] = store.write("entries", entries, entry, done).write("index_keys", keys, entry, done)
-        return
+        return store.write("entries", entries, entry, done).write("index_keys", keys, entry, done)
     vals, scales = quant.quantize_fp4_e4m3_16(entries)
     kvals, kscales = quant.quantize_mxfp4(keys)
-    stores[rec.index] = (store.write("entries", quant.pack_fp4(vals), entry, done)
-                         .write("entry_scales", quant.to_bytes(scales), entry, done)
-                         .write("index_keys", quant.pack_fp4(kvals), entry, done)
-                         .write("index_scales", quant.to_bytes(kscales), entry, done))
+    return (store.write("entries", quant.pack_fp4(vals), entry, done)
+            .write("entry_scales", quant.to_bytes(scales), entry, done)
+            .write("index_keys", quant.pack_fp4(kvals), entry, done)
+            .write("index_scales", quant.to_bytes(kscales), entry, done))
 
 
-def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
-    """An index source's picks (and the candidate pool, at the candidate source) for the new tokens."""
+def _select(attn, x_BSD, qr_BSQ, positions_BS, published, store: LayerStore) -> Handoff:
+    """An index source's Handoff for the new tokens: its picks (and the candidate pool's block ids, at the
+    candidate source), scored against `store`, its kv source's."""
     rec = attn.record
     cinv = np.asarray(attn.compressed_inv_freq, np.float32)
-    store = stores[rec.kv_source]
     b, s, _ = x_BSD.shape
     indexer = attn.indexer
     qI = apply_rope(indexer.wq_b(qr_BSQ).reshape(b, s, indexer.heads, indexer.head_dim), positions_BS, cinv)
@@ -213,57 +216,54 @@ def _select(attn, x_BSD, qr_BSQ, positions_BS, published, stores):
         qI = quant.fake_quant(qI, quant.MXFP4)
     w = indexer.weights_proj(x_BSD)
     visible_count = (positions_BS + 1) // rec.ratio
-    mine = published.setdefault(rec.index, {})
     impl = kernel_impl(attn)
     # The kernels read the packed keys; the float cache takes the reference path below.
     if impl != "reference" and packed(store.leaves["index_keys"]) and (rec.candidate_source is None or s == 1):
         args = (qI, w, store.get("index_keys"), store.get("index_scales"))
         layout = attn.policy.lowering.layout
         if rec.candidate_source is not None:  # Reindex decode: the pool's keys only
-            mine["picks"] = dispatch.pool_top_k(*args, published[rec.candidate_source]["pool_ids"],
-                                                attn.pool_block_size, positions_BS, rec.ratio, attn.top_k, mode=impl,
-                                                layout=layout)
-        elif attn.builds_pool:
-            mine["picks"], mine["pool_ids"] = dispatch.scores_and_pool(
+            return Handoff(picks=dispatch.pool_top_k(*args, published[rec.candidate_source].pool_ids,
+                                                     attn.pool_block_size, positions_BS, rec.ratio, attn.top_k,
+                                                     mode=impl, layout=layout))
+        if attn.builds_pool:
+            picks, pool_ids = dispatch.scores_and_pool(
                 *args, positions_BS, rec.ratio, top_k=attn.top_k, max_blocks=attn.pool_max_blocks,
                 block=attn.pool_block_size, mode=impl, layout=layout)
-        else:
-            mine["picks"] = dispatch.indexer_top_k(*args, positions_BS, rec.ratio, attn.top_k, mode=impl,
-                                                   layout=layout)
-        return
+            return Handoff(picks=picks, pool_ids=pool_ids)
+        return Handoff(picks=dispatch.indexer_top_k(*args, positions_BS, rec.ratio, attn.top_k, mode=impl,
+                                                    layout=layout))
     if rec.candidate_source is not None and s == 1:
         # Decode: score only the pool's keys (the Reindex promise, DESIGN §3.4).
-        pool_ids = published[rec.candidate_source]["pool_ids"]
+        pool_ids = published[rec.candidate_source].pool_ids
         scores, entry = pool_gather_scores(qI, w, store, pool_ids, attn.pool_block_size, visible_count,
                                            indexer.unroll)
         local = ix.top_k_indices(scores, attn.top_k)
         picks = jnp.where(local >= 0, jnp.take_along_axis(entry, jnp.maximum(local, 0), axis=-1), -1)
-        mine["picks"] = jnp.sort(jnp.where(picks < 0, jnp.iinfo(jnp.int32).max, picks), axis=-1)
-        mine["picks"] = jnp.where(mine["picks"] == jnp.iinfo(jnp.int32).max, -1, mine["picks"])
-        return
+        picks = jnp.sort(jnp.where(picks < 0, jnp.iinfo(jnp.int32).max, picks), axis=-1)
+        return Handoff(picks=jnp.where(picks == jnp.iinfo(jnp.int32).max, -1, picks))
     num, tile = store.leaves["index_keys"].shape[-2], attn.score_tile
     if tile < num and num % attn.pool_block_size == 0 and not attn.policy.lowering.unroll_layers:
-        _select_filled(attn, qI, w, positions_BS, visible_count, published, store, mine)
-        return
+        return _select_filled(attn, qI, w, positions_BS, visible_count, published, store)
     keys = dequant_keys(store.get("index_keys"), store.get("index_scales"))
     scores = ix.lightning_scores(qI, keys, w, ix.visible_entries(positions_BS, rec.ratio, num), indexer.unroll)
+    pool_ids = None
     if attn.builds_pool:
-        mine["pool_ids"] = ix.candidate_block_ids(scores, visible_count, attn.pool_max_blocks, attn.pool_block_size)
+        pool_ids = ix.candidate_block_ids(scores, visible_count, attn.pool_max_blocks, attn.pool_block_size)
     if rec.candidate_source is not None:
-        pool = published[rec.candidate_source]["pool_ids"]
+        pool = published[rec.candidate_source].pool_ids
         in_pool = ix.blocks_to_entries(ix.block_ids_to_mask(pool, -(-num // attn.pool_block_size)),
                                        attn.pool_block_size, num)
         scores = jnp.where(in_pool, scores, NEG_INF)
-    mine["picks"] = ix.top_k_indices(scores, attn.top_k)
+    return Handoff(picks=ix.top_k_indices(scores, attn.top_k), pool_ids=pool_ids)
 
 
-def _select_filled(attn, qI_BSJd, w_BSJ, positions_BS, visible_count_BS, published, store, mine):
+def _select_filled(attn, qI_BSJd, w_BSJ, positions_BS, visible_count_BS, published, store) -> Handoff:
     """`_select`'s scores, pool and top-k over the store's filled tiles only (`indexer.filled_top_k`): the
     same picks, at a cost that follows the rows' lengths rather than the cache's capacity. (The FLOP
     counting lowering scores the whole capacity: static shapes, which XLA's cost analysis counts.)"""
     rec, tile = attn.record, attn.score_tile
     num = store.leaves["index_keys"].shape[-2]
-    pool_ids = None if rec.candidate_source is None else published[rec.candidate_source]["pool_ids"]
+    pool_ids = None if rec.candidate_source is None else published[rec.candidate_source].pool_ids
     if pool_ids is not None:  # ascending block ids, then −1s: searchable once the −1s sort last
         pool_sorted = jnp.where(pool_ids < 0, jnp.iinfo(jnp.int32).max, pool_ids)
         search = jax.vmap(jax.vmap(lambda p, x: jnp.searchsorted(p, x)))
@@ -282,10 +282,9 @@ def _select_filled(attn, qI_BSJd, w_BSJ, positions_BS, visible_count_BS, publish
         return jnp.where(jnp.repeat(kept, attn.pool_block_size, axis=-1), scores, NEG_INF)
 
     pool = (attn.pool_max_blocks, attn.pool_block_size, visible_count_BS) if attn.builds_pool else None
-    mine["picks"], pool_out = ix.filled_top_k(tile_scores, positions_BS.shape, num, tile,
-                                              jnp.max(visible_count_BS), attn.top_k, pool)
-    if pool_out is not None:
-        mine["pool_ids"] = pool_out
+    picks, pool_out = ix.filled_top_k(tile_scores, positions_BS.shape, num, tile, jnp.max(visible_count_BS),
+                                      attn.top_k, pool)
+    return Handoff(picks=picks, pool_ids=pool_out)
 
 
 def kernel_impl(attn) -> str:

@@ -40,8 +40,8 @@ class Block(nnx.Module):
         """Single-pass mHC: each site collapses with the previous site's `pre` and hands its own on.
         Classic mHC (V4): each site collapses with its own `pre` (pre_BSN is not read).
         `attend(attn, h) -> (y, state)` runs the attention layer on its normalised input: over the whole
-        sequence (`forward`, no state) or over the cache (`dsv41.steps`: the layer's new window ring).
-        Returns (x, pre, state)."""
+        sequence (`forward`: state is the layer's `Handoff` or None) or over the cache (`dsv41.steps`: its
+        new window ring, the updated stores and its Handoff). Returns (x, pre, state)."""
         if self.engram is not None:
             x_BSND = self.engram(x_BSND, engram_ids_BSC)
         attn_pre, post, comb = self.hc_attn.mixes(x_BSND)

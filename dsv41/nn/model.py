@@ -213,8 +213,9 @@ class Transformer(nnx.Module):
         def layer(block, at, carry, published):
             x_BSND, pre = carry
             ids = None if block.engram is None else self.engram_column(at.layer, engram_ids_BSLC)
-            x_BSND, pre, _ = block(x_BSND, pre, lambda attn, h: (attn(h, positions_BS, published), None),
-                                   ids, tokens_BS)
+            x_BSND, pre, handoff = block(x_BSND, pre, lambda attn, h: attn(h, positions_BS, published), ids, tokens_BS)
+            if handoff is not None:
+                published = {**published, block.attn.record.index: handoff}
             return (x_BSND, pre), published
 
         for st in self.stacks:
