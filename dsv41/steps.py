@@ -24,7 +24,7 @@ from dsv41.kv_store import LayerStore
 from dsv41.errors import ConfigError
 from dsv41.plan import layer_plan
 from dsv41.nn import mhc
-from dsv41.nn.attention_cache import attention_step, write_entries
+from dsv41.nn.attention_cache import write_entries
 
 
 def capacity(cfg, cache: Cache) -> int:
@@ -183,8 +183,8 @@ def _run(model, cfg, stage, carry, published, inputs: _Inputs, entries_ready=())
                 stores[src], where[src] = LayerStore(vars(compressed[k]).copy(), src_group), k
 
             def attend(attn, h):
-                return attention_step(attn, h, inputs.positions, inputs.valid, inputs.lengths, ring,
-                                      window_start[at.layer], published, stores, entries_ready=True in ready[at.j])
+                return attn.step(h, inputs.positions, inputs.valid, inputs.lengths, ring, window_start[at.layer],
+                                 published, stores, entries_ready=True in ready[at.j])
 
             ids = None if block.engram is None else model.engram_column(at.layer, inputs.engram_ids)
             x, pre, (new_ring, new_stores, handoff) = block(x, pre, attend, ids, inputs.tokens)

@@ -2,7 +2,7 @@
 
 Per query (one per row at decode, S per row in a prefill chunk) with H heads sharing one KV latent (MQA, key
 == value): one softmax over the valid FP8 window keys, the valid FP4 entries the indexer picked and the
-per-head sink (denominator only); a query with nothing valid gives 0, as `attention.attend_step`.
+per-head sink (denominator only); a query with nothing valid gives 0, as `attend.attend_step`.
 
 Kernel (one body for interpret mode, Mosaic TPU and Triton GPU; grid = one program per query):
 - each KV tile (`block_keys` keys) is dequantised ONCE from its bytes in VMEM/registers and shared by all H
@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 
 from dsv41.kernels import quant_pack as qp
 from dsv41.kv_store import dequant_entries, dequant_window, gather_rows, ring_positions
-from dsv41.nn.attention import attend_step
+from dsv41.nn.attend import attend_step
 
 HI = lax.Precision.HIGHEST
 
@@ -205,7 +205,7 @@ def sparse_decode_attention(q_BHK, window_values_BWK, window_scales_BWX, window_
 
 
 # ----------------------------------------------------------------------------------------------------
-# Plain-JAX references: dequantise the stores, then `attention.attend_step`.
+# Plain-JAX references: dequantise the stores, then `attend.attend_step`.
 
 def sparse_attention_reference(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2,
                                entry_scales_BNX, picks_BSk, sink_H, scale: float):

@@ -1,6 +1,6 @@
 """The V4.1 attention layer over the inference cache (DESIGN §3.2–§3.4, §6): S new tokens per row.
 
-The same mechanism as `attention.Attention`, reading and writing the stored formats instead of
+The same mechanism as `attention.Attention` (its `step` method), reading and writing the stored formats instead of
 recomputing the whole sequence: the FP8 window ring holds the last `window` tokens of the layer; a
 Full layer folds its compressor's unfinished group (the leftovers) into the new tokens, writes the
 completed entries (FP4 + E4M3 per 16) and indexer keys (MXFP4) into its store and scores the
@@ -23,12 +23,11 @@ from dsv41 import quant
 from dsv41.kernels import dispatch
 from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, packed, ring_positions
 from dsv41.nn import indexer as ix
-from dsv41.nn.attention import AttentionV4, Handoff, attend_step, window_keys
+from dsv41.nn.attend import NEG_INF, Handoff, attend_step, window_keys
 from dsv41.nn.indexer import pool_gather_scores
 from dsv41.nn.norm import rms_normalize
 from dsv41.nn.rope import apply_rope
 
-NEG_INF = -jnp.inf
 HI = jax.lax.Precision.HIGHEST
 
 
@@ -48,13 +47,13 @@ def compress_step(comp, x_BSD, lengths_B, counts_B, leftover_BRC):
     if comp.wgate is None:  # ratio 1: every token is its own entry
         positions = lengths_B[:, None] + jnp.arange(s)
         return comp(x_BSD), positions, jnp.arange(s) < counts_B[:, None], leftover_BRC
-    overlap = getattr(comp, "overlap", False)
+    overlap = comp.overlap
     back = m if overlap else 0  # positions an entry pools before its own group
     held = leftover_BRC.shape[1]  # = back + m - 1
     x = x_BSD.astype(jnp.float32)
     kv = jnp.dot(x, comp.wkv.w[...].astype(jnp.float32), precision=HI)
     gate = jnp.dot(x, comp.wgate.w[...].astype(jnp.float32), precision=HI)
-    if getattr(comp, "position_bias", None) is not None:
+    if comp.position_bias is not None:
         slot = jnp.mod(lengths_B[:, None] + jnp.arange(s), m)
         gate = gate + comp.position_bias[...].astype(jnp.float32)[slot]
     proj = jnp.concatenate([kv, gate], axis=-1)                            # [B, S, 2·width]
@@ -129,16 +128,11 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerSt
 
     sel = sel_ok = shared = picks = handoff = None
     banded = keys_w.ndim == 4
-    if rec.ratio and isinstance(attn, AttentionV4):
-        sel, sel_ok, shared, store = _compressed_v4(attn, x_BSD, qr, positions_BS, lengths_B, counts,
-                                                    stores[rec.index])
-        stores = {**stores, rec.index: store}
-    elif rec.ratio:
-        stores, handoff = _publish_step(attn, x_BSD, qr, positions_BS, lengths_B, counts, published, stores,
-                                        entries_ready)
-        store = stores[rec.kv_source]
-        picks = (handoff if handoff is not None else published[rec.index_source]).picks   # [B, S, k]
-        if not quantised or kernel_impl(attn) == "reference" or banded:
+    if rec.ratio:  # the compressed branch: the layer's own (V4.1 `compressed_v41`, V4 `attention_v4`)
+        (sel, sel_ok, shared, picks), stores, handoff = attn.cached_compressed(
+            x_BSD, qr, positions_BS, lengths_B, counts, published, stores, entries_ready)
+        if picks is not None and (not quantised or kernel_impl(attn) == "reference" or banded):
+            store = stores[rec.kv_source]
             sel = dequant_entries(store.gather("entries", picks), store.gather("entry_scales", picks))
             sel, sel_ok = sel.astype(kv.dtype), picks >= 0
     if sel is not None or shared is not None or not quantised or kernel_impl(attn) == "reference" or banded:
@@ -151,28 +145,16 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerSt
     return attn.wo_b(y.reshape(b, s, -1)), (ring, stores, handoff)
 
 
-def _compressed_v4(attn, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, store: LayerStore):
-    """A V4 CSA/HCA layer over its own store: (selected [B,S,k,K], their validity, None, store) for CSA,
-    the top-k of its indexer; (None, None, (entries [B,T,K], visible [B,S,T]), store) for HCA, every
-    visible entry; `store` with the new tokens' entries written."""
-    rec, indexer = attn.record, attn.indexer
-    cinv = np.asarray(attn.compressed_inv_freq, np.float32)
-    latent, entry, done, leftover = compress_step(attn.compressor, x_BSD, lengths_B, counts_B, store.get("leftover"))
-    store = store.write("entries", apply_rope(latent, rec.ratio * entry, cinv), entry, done).put("leftover", leftover)
-    if indexer is not None:
-        latent, entry, done, index_left = compress_step(indexer.compressor, x_BSD, lengths_B, counts_B,
-                                                        store.get("index_leftover"))
-        store = store.write("index_keys", apply_rope(latent, rec.ratio * entry, cinv), entry, done)
-        store = store.put("index_leftover", index_left)
-    entries = store.get("entries")
-    visible = ix.visible_entries(positions_BS, rec.ratio, entries.shape[1])
-    if indexer is None:
-        return None, None, (entries, visible), store
-    b, s, _ = x_BSD.shape
-    q = apply_rope(indexer.wq_b(qr_BSQ).reshape(b, s, indexer.heads, indexer.head_dim), positions_BS, cinv)
-    picks = ix.top_k_indices(ix.lightning_scores(q, store.get("index_keys"), indexer.weights_proj(x_BSD), visible,
-                                                 indexer.unroll), attn.top_k)
-    return store.gather("entries", picks), picks >= 0, None, store
+def compressed_v41(attn, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, published, stores,
+                   entries_ready=False):
+    """A V4.1 layer's compressed branch over the cache (`Attention.cached_compressed`): a Full layer writes
+    its new entries and indexer keys, an index source picks. Returns ((None, None, None, picks [B,S,k]),
+    stores, handoff): the entries to attend are the picks of the layer's index source, read from the
+    store of its kv source."""
+    stores, handoff = _publish_step(attn, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, published, stores,
+                                    entries_ready)
+    picks = (handoff if handoff is not None else published[attn.record.index_source]).picks
+    return (None, None, None, picks), stores, handoff
 
 
 def _publish_step(attn, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, published, stores, entries_ready=False):

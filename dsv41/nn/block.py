@@ -6,7 +6,8 @@ from flax import nnx
 
 from dsv41 import schema
 from dsv41.nn import mhc
-from dsv41.nn.attention import Attention, AttentionV4
+from dsv41.nn.attention import Attention
+from dsv41.nn.attention_v4 import AttentionV4
 from dsv41.nn.engram import Engram
 from dsv41.nn.moe import MoE
 from dsv41.nn.norm import RMSNorm

@@ -22,6 +22,7 @@ from dsv41.nn.policy import Policy
 class Compressor(nnx.Module):
     def __init__(self, dim: int, latent: int, ratio: int, eps: float, *, policy: Policy, rngs: nnx.Rngs):
         self.ratio = ratio
+        self.overlap, self.position_bias = False, None  # V4's overlapped windows and slot bias (CompressorV4)
         self.wkv = Dense(dim, latent, ("embed", "kv"), policy=policy, rngs=rngs)
         self.wgate = Dense(dim, latent, ("embed", "kv"), policy=policy, rngs=rngs) if ratio > 1 else None
         self.norm = RMSNorm(latent, eps, "kv")
