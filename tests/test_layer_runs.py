@@ -102,3 +102,36 @@ def test_cached_steps_equal_the_forward(model):
         errors.append(np.abs(np.asarray(logits) - ref[[0, 1], held]).max())
         held = held + 1
     assert max(errors) < TOL * max(1.0, np.abs(ref).std()), errors
+
+
+@pytest.mark.slow
+def test_gradients_through_the_runs_equal_the_unrolled_layers(model):
+    """The training loss's value and gradients (the indexer KL included) with the runs scanned (each
+    group rematerialised, as training runs them) against every layer unrolled (`Lowering(unroll_layers=True)`): the same arithmetic, so equal
+    to float32 reassociation (quant none: no near-tied quantisation threshold to flip)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv41.nn.policy import Lowering
+
+    cfg, variables = model
+    params, buffers = train.split_variables(variables)
+    key = model_lib.config_key(cfg)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.architecture.vocab_size, (2, 24)))
+    positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
+
+    def loss(params, unrolled, remat):
+        m = nnx.merge(model_lib.graphdef(key, Lowering(unroll_layers=True) if unrolled else None), params, buffers)
+        logits, rows = train._forward_records(m, tokens, positions, remat)
+        kl, _ = train.indexer_kl(m, rows, positions, "selectable")
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0]) + kl
+
+    want_v, want_g = jax.jit(jax.value_and_grad(loss), static_argnums=(1, 2))(params, True, "none")
+    got_v, got_g = jax.jit(jax.value_and_grad(loss), static_argnums=(1, 2))(params, False, "block")
+    np.testing.assert_allclose(float(got_v), float(want_v), rtol=1e-6)
+    run = params["stacks"][1]["slots"][1]["attn"]["wq_a"]["w"]
+    g_run = got_g["stacks"][1]["slots"][1]["attn"]["wq_a"]["w"]
+    assert g_run.shape == run.shape and all(float(jnp.abs(g_run[g, r]).max()) > 0 for g in range(2) for r in range(2))
+    for a, b in zip(jax.tree.leaves(want_g), jax.tree.leaves(got_g)):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(b - a) <= 1e-5 * np.linalg.norm(a) + 1e-9, (np.linalg.norm(b - a), np.linalg.norm(a))

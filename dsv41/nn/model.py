@@ -73,7 +73,12 @@ class LayerStack(nnx.Module):
         Returns (carry, published, records): records {layer: {name: array}} of what each layer sowed (when
         `record`)."""
         spec = self.spec
-        graphdef, state = nnx.split(self.slots)
+        split = [nnx.split(slot) for slot in self.slots]
+        defs = [d for d, _ in split]
+        # A single layer's slot [G, ...] is scanned over (xs); a run's [G, R, ...] is indexed at (g, r) inside
+        # the inner loop instead, so that no [R, ...] slice of the group is materialised to feed it.
+        singles = [st if spec.runs[j] == 1 else None for j, (_, st) in enumerate(split)]
+        whole = [None if spec.runs[j] == 1 else st for j, (_, st) in enumerate(split)]
 
         def one(block, g, j, r, carry, published):
             layer = spec.first + g * spec.width + spec.offset(j) + r
@@ -85,27 +90,26 @@ class LayerStack(nnx.Module):
         def body(state_g, g, carry, published):
             published = dict(published)
             recs = []
-            for j, slot in enumerate(nnx.merge(graphdef, state_g)):
+            for j in range(spec.slots):
                 if spec.runs[j] == 1:
-                    carry, published, rec = one(slot, g, j, 0, carry, published)
+                    carry, published, rec = one(nnx.merge(defs[j], state_g[j]), g, j, 0, carry, published)
                     recs.append([rec])
                     continue
-                slot_def, slot_state = nnx.split(slot)
                 if self.unroll:
                     out = []
                     for r in range(spec.runs[j]):
-                        block = nnx.merge(slot_def, jax.tree.map(lambda v: v[r], slot_state))
+                        block = nnx.merge(defs[j], jax.tree.map(lambda v: v[g, r], whole[j]))
                         carry, published, rec = one(block, g, j, r, carry, published)
                         out.append(rec)
                     recs.append(out)
                     continue
 
-                def inner(carry, xs, j=j, slot_def=slot_def, published=published):
-                    r, state_r = xs
-                    carry, _, rec = one(nnx.merge(slot_def, state_r), g, j, r, carry, published)
+                def inner(carry, r, j=j, published=published):
+                    block = nnx.merge(defs[j], jax.tree.map(lambda v: v[g, r], whole[j]))
+                    carry, _, rec = one(block, g, j, r, carry, published)
                     return carry, rec
 
-                carry, rec = jax.lax.scan(inner, carry, (jnp.arange(spec.runs[j], dtype=jnp.int32), slot_state))
+                carry, rec = jax.lax.scan(inner, carry, jnp.arange(spec.runs[j], dtype=jnp.int32))
                 recs.append(rec)
             return carry, published, recs if record else None
 
@@ -114,7 +118,7 @@ class LayerStack(nnx.Module):
         by_group = []
         if spec.groups == 1 or self.unroll:
             for g in range(spec.groups):  # later groups see the published values of earlier ones
-                carry, out, rec = body(jax.tree.map(lambda v: v[g], state), g, carry, published)
+                carry, out, rec = body(jax.tree.map(lambda v: v[g], singles), g, carry, published)
                 published = out if spec.groups == 1 else published
                 by_group.append(rec)
         else:
@@ -123,7 +127,7 @@ class LayerStack(nnx.Module):
                 carry, _, rec = body(state_g, g, carry, published)
                 return carry, rec
 
-            carry, rec = jax.lax.scan(step, carry, (jnp.arange(spec.groups, dtype=jnp.int32), state))
+            carry, rec = jax.lax.scan(step, carry, (jnp.arange(spec.groups, dtype=jnp.int32), singles))
             by_group = [jax.tree.map(lambda v: v[g], rec) for g in range(spec.groups)] if record else []
         if not record:
             return carry, published, None
