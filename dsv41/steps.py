@@ -27,10 +27,15 @@ from dsv41.nn import mhc
 from dsv41.nn.attention_cache import write_entries
 
 
-def capacity(cfg, cache: Cache) -> int:
+def capacity(cfg, cache: Cache, plan=None) -> int:
     """The number of tokens a cache row can hold (a window-only model: its context window)."""
-    rec = next((r for r in layer_plan(cfg) if r.stores_entries), None)
+    rec = next((r for r in (plan or layer_plan(cfg)) if r.stores_entries), None)
     return cfg.context_window if rec is None else cache.compressed[0].entries.shape[2] * rec.ratio
+
+
+@functools.lru_cache(maxsize=32)
+def _plan_of(key: str):
+    return layer_plan(model_lib.config_from_key(key))
 
 
 def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, final: bool = True):
@@ -43,19 +48,19 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, 
     """
     view = host_view(cache)
     held = view.lengths
-    tokens, counts = check_tokens(cfg, tokens, lengths, held, capacity(cfg, cache))
+    key = model_lib.config_key(cfg)  # the config's identity, once per call (the plan below is cached by it)
+    tokens, counts = check_tokens(cfg, tokens, lengths, held, capacity(cfg, cache, _plan_of(key)))
     s = tokens.shape[1]
     ids, recent = engram_inputs(cfg, view.recent_tokens, tokens, counts, held, token_map)
-    key = model_lib.config_key(cfg)
+    tokens = tokens.astype(np.int32)  # host arrays go to the jitted step as they are (no eager device ops)
     if cfg.runtime.prefill_schedule == "ced" and cfg.architecture.family != schema.V41:
         raise ConfigError("runtime.prefill_schedule", "ced", f"expected 'full' for the {cfg.architecture.family!r} "
                           "family: CED needs V4.1's encoder and decoder stages")
     if cfg.runtime.prefill_schedule == "ced" and s > 1:
         replay = min(cfg.swa_bounded_replay.decoder_replay_tokens, s) if final else 0
-        logits, cache = _ced(key, None, params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(counts), ids,
-                             replay)
+        logits, cache = _ced(key, None, params, cache, tokens, counts, ids, replay)
     else:
-        logits, cache = _step(key, None, params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(counts), ids)
+        logits, cache = _step(key, None, params, cache, tokens, counts, ids)
     if ids is not None:
         cache = dataclasses.replace(cache, recent_tokens=jnp.asarray(recent, jnp.int32))
     return logits, with_mirror(cache, held + counts, recent)

@@ -108,11 +108,24 @@ def main(argv=None) -> int:
             continue
         per_op[e["name"]] += e["dur"] / 1e3
         count[e["name"]] += 1
+    # XLA's operations (thunks) by kind: the name before its number (copy.549 -> copy); host-side Python
+    # frames ($file:line) and the runtime's own events are left out.
+    kinds = collections.defaultdict(float)
+    kind_count = collections.Counter()
+    for name, ms in per_op.items():
+        if name.startswith("$") or " " in name or "::" in name or "(" in name:
+            continue
+        kind = name.split(".")[0]
+        kinds[kind] += ms
+        kind_count[kind] += count[name]
     med = float(np.median(total)) * 1e3
     print(f"dsv41-v4 decode, batch {args.batch}, context {bench_decode.fmt_context(ctx)} (capacity {max_len}), "
           f"{args.steps} steps; load average {load_average():.2f} on {os.cpu_count()} cores")
     print(f"step: median {med:.2f} ms ({args.batch / med * 1e3:.0f} tokens/s); until decode returns "
           f"(host: Python, checks, dispatch) median {float(np.median(host)) * 1e3:.2f} ms")
+    print("\nXLA operations by kind, ms per step (a loop counts its body's operations again):")
+    for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {kind:<24} {ms / args.steps:8.3f}  x{kind_count[kind] / args.steps:.0f}")
     print(f"\nprofiled events, ms per step (sum over all threads; nested events counted in each):")
     width = max((len(n) for n in per_op), default=10)
     width = min(width, 90)
