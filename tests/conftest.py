@@ -9,30 +9,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # run in subprocesses, and several may hold it at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import atexit
-import shutil
-import tempfile
-
 import pytest
-
-# Every test process (this one and the CLI subprocesses, through the environment) shares one JAX
-# persistent compilation cache, private to the session and removed at its end: a program compiled by
-# one test module is loaded, not compiled again, by the next (`_drop_compiled_programs` below frees the
-# in-memory programs between modules) and by the subprocesses running the same shapes.
-_COMPILE_CACHE = tempfile.mkdtemp(prefix="dsv41-tests-jax-")
-atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
-os.environ["DSV41_COMPILE_CACHE"] = _COMPILE_CACHE
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _compile_cache():
-    from dsv41 import compile_cache
-
-    compile_cache.enable(_COMPILE_CACHE)
-    yield
 
 
 @pytest.fixture(autouse=True, scope="module")
