@@ -24,14 +24,13 @@ from dsv41.plan import Stack, layer_plan, layer_stacks
 @dataclasses.dataclass(frozen=True)
 class LayerAt:
     """Where `LayerStack.run` is: group g and run position r (ints where unrolled, else traced), slot j
-    (static), `layer` the layer's number (an int where g and r are, else traced) and `first` the number of
-    group 0's first layer of the slot, whose record the slot's modules hold (static)."""
+    (static) and `layer` the layer's number (an int where g and r are, else traced). The slot's modules
+    hold the record of group 0's first layer of the slot (`block.attn.record`)."""
 
     g: object
     j: int
     r: object
     layer: object
-    first: int
 
 
 class LayerStack(nnx.Module):
@@ -82,7 +81,7 @@ class LayerStack(nnx.Module):
 
         def one(block, g, j, r, carry, published):
             layer = spec.first + g * spec.width + spec.offset(j) + r
-            at = LayerAt(g, j, r, layer, spec.slot_layers(0, j)[0])
+            at = LayerAt(g, j, r, layer)
             (carry, published), rec = nnx.capture(lambda b: layer_fn(b, at, carry, published),
                                                   nnx.Intermediate)(block)
             return carry, published, _plain(rec) if record else None
