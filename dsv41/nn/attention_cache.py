@@ -106,25 +106,36 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerSt
         q = rms_normalize(q, attn.q_head_eps).astype(q.dtype)
     q = apply_rope(q, positions_BS, inv_freq)
     kv = apply_rope(attn.kv_norm(attn.wkv(x_BSD)), positions_BS, inv_freq)
-    ring_vals, ring_scales = ring.get("values"), ring.get("scales")
-    quantised = packed(ring_vals)
+    quantised = packed(ring.leaves["values"])
     if quantised:  # the FP8 ring (V4.1)
         kv_vals, kv_scales = quant.quantize_fp8_ue8m0_32(kv)
         kv = quant.dequantize_fp8_ue8m0_32(kv_vals, kv_scales).astype(x_BSD.dtype)
         kv_vals, kv_scales = quant.to_bytes(kv_vals), quant.to_bytes(kv_scales)
-        ring_keys = dequant_window(ring_vals, ring_scales).astype(kv.dtype)
     else:
-        kv_vals, kv_scales, ring_keys = kv, jnp.zeros((b, s, 0), jnp.uint8), ring_vals.astype(kv.dtype)
-
-    # Window: the ring (positions < lengths) and the new tokens.
-    ring_pos = ring_positions(lengths_B, attn.window)
-    keys_w = jnp.concatenate([ring_keys, kv], axis=1)
-    key_pos = jnp.concatenate([ring_pos, positions_BS], axis=1)
-    key_ok = jnp.concatenate([ring_pos >= jnp.maximum(window_start_B, 0)[:, None], valid_BS], axis=1)
-    keys_w, mask_w = window_keys(keys_w, key_pos, key_ok, positions_BS, attn.window)
+        kv_vals, kv_scales = kv, jnp.zeros((b, s, 0), jnp.uint8)
     keep = valid_BS & (positions_BS >= new_len[:, None] - attn.window)
     slot = positions_BS % attn.window
-    ring = ring.write("values", kv_vals, slot, keep).write("scales", kv_scales, slot, keep)
+    written = ring.write("values", kv_vals, slot, keep).write("scales", kv_scales, slot, keep)
+
+    # Window keys. Decode (one new token): it takes the slot of the one position that leaves its window,
+    # so the ring is written first and read once as it then is (reading the old ring beside the write made
+    # XLA copy the whole ring for every layer). A chunk: the ring before it, then the new tokens.
+    if s == 1:
+        win_vals, win_scales = written.get("values"), written.get("scales")
+        key_pos = ring_positions(new_len, attn.window)
+        key_ok = key_pos >= jnp.maximum(window_start_B, 0)[:, None]
+        keys_w = (dequant_window(win_vals, win_scales) if quantised else win_vals).astype(kv.dtype)
+    else:
+        ring_vals, ring_scales = ring.get("values"), ring.get("scales")
+        ring_keys = (dequant_window(ring_vals, ring_scales) if quantised else ring_vals).astype(kv.dtype)
+        ring_pos = ring_positions(lengths_B, attn.window)
+        win_vals = jnp.concatenate([ring_vals, kv_vals], axis=1)
+        win_scales = jnp.concatenate([ring_scales, kv_scales], axis=1)
+        keys_w = jnp.concatenate([ring_keys, kv], axis=1)
+        key_pos = jnp.concatenate([ring_pos, positions_BS], axis=1)
+        key_ok = jnp.concatenate([ring_pos >= jnp.maximum(window_start_B, 0)[:, None], valid_BS], axis=1)
+    keys_w, mask_w = window_keys(keys_w, key_pos, key_ok, positions_BS, attn.window)
+    ring = written
 
     sel = sel_ok = shared = picks = handoff = None
     banded = keys_w.ndim == 4
@@ -138,7 +149,7 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerSt
     if sel is not None or shared is not None or not quantised or kernel_impl(attn) == "reference" or banded:
         out = attend_step(q, keys_w, mask_w, sel, sel_ok, attn.attn_sink[...], attn.head_dim ** -0.5, shared)
     else:  # the Pallas kernel reads the bytes themselves: [ring | new tokens] and the picked entries
-        out = _attend_kernel(attn, q, (ring_vals, ring_scales), (kv_vals, kv_scales), mask_w, picks, stores)
+        out = _attend_kernel(attn, q, win_vals, win_scales, mask_w, picks, stores)
     out = apply_rope(out, positions_BS, inv_freq, inverse=True)
     y = jnp.einsum("bsgi,gio->bsgo", out.reshape(b, s, attn.groups, -1).astype(attn.policy.compute_dtype),
                    attn.wo_a[...].astype(attn.policy.compute_dtype), precision=attn.policy.precision)
@@ -274,13 +285,12 @@ def kernel_impl(attn) -> str:
     return dispatch.resolve(attn.kernels, dispatch.platform(attn.policy.lowering.layout))
 
 
-def _attend_kernel(attn, q_BSHK, ring, new, mask_w, picks_BSk, stores):
-    """`attend_step` through the sparse-attention kernel: the window keys as stored bytes (the ring, then
-    the new tokens' FP8 bytes; `mask_w` [B, S, W+S] says which each query sees) and the picked entries
-    read from the layer's packed store (a window-only layer passes no picks)."""
+def _attend_kernel(attn, q_BSHK, values_BTK, scales_BTX, mask_w, picks_BSk, stores):
+    """`attend_step` through the sparse-attention kernel: the window keys as stored bytes (values and scales
+    [B, T, ·]: the ring, then a chunk's new tokens; `mask_w` [B, S, T] says which each query sees) and the
+    picked entries read from the layer's packed store (a window-only layer passes no picks)."""
     b, s, _, k = q_BSHK.shape
-    values = jnp.concatenate([ring[0], new[0]], axis=1)
-    scales = jnp.concatenate([ring[1], new[1]], axis=1)
+    values, scales = values_BTK, scales_BTX
     if picks_BSk is None:
         entries, entry_scales = jnp.zeros((b, 1, k // 2), jnp.uint8), jnp.zeros((b, 1, k // 16), jnp.uint8)
         picks_BSk = jnp.full((b, s, 1), -1, jnp.int32)

@@ -4,7 +4,10 @@ Scores s = sqrt(softplus(x W_g)) in fp32; the picks are the top-k of s + bias, w
 balancing term updated outside the gradient (a `BalanceBias` variable, stop-gradient here); the
 weights are s at the picks, normalised (+1e-20) and scaled by the route scale. An expert computes
 w2((silu(min(w1 x, L)) · clip(w3 x, ±L)) · weight). Routed tokens are sorted by expert and run
-through `jax.lax.ragged_dot`: no dense all-experts compute.
+through `jax.lax.ragged_dot`: no dense all-experts compute. On CPU, where XLA expands a ragged_dot into
+a dot of every pick against every group (N·k·G rows, and the weights transposed for it each call), every
+held expert runs over every token instead (N·G rows, the weights in their stored layout), weighted by the
+token's gate for it: k times less arithmetic than that expansion and no sort, gather or scatter.
 Expert parallelism (DESIGN §9): built with a layout (`Policy.lowering.layout`, part of the module
 structure and so of the jit key) on a mesh, the routed experts run in a `jax.shard_map`: each device gathers the tokens of its expert group, runs the picks that name
 its own experts (and its slice of the intermediate width), and the partial sums go back to the tokens'
@@ -24,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dsv41.errors import ConfigError
+from dsv41.kernels import dispatch
 from dsv41.nn.linear import Dense, param
 from dsv41.nn.policy import Policy
 
@@ -103,6 +107,8 @@ def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, p
     flat = idx_Nk.reshape(-1)
     if policy.lowering.experts_per_pick:
         return _experts_per_pick(x_ND, weights_Nk, flat, w1_GDI, w3_GDI, w2_GID, limit=limit, policy=policy)
+    if dispatch.platform(policy.lowering.layout) == "cpu":
+        return _experts_dense(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, limit=limit, policy=policy)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=g + 1)[:g].astype(jnp.int32)
     xs = x_ND[order // k].astype(policy.compute_dtype)
@@ -113,6 +119,19 @@ def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, p
     back = jnp.where(flat[order] < g, order, n * k)
     y = jnp.zeros_like(ys).at[back].set(ys, mode="drop")
     return y.reshape(n, k, -1).sum(axis=1)
+
+
+def _experts_dense(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, policy: Policy):
+    """Every held expert over every token, weighted by the token's gate for it (0 where it did not pick
+    it; a pick of an expert held elsewhere, idx == G, weighs nothing): the CPU lowering (module doc)."""
+    g = w1_GDI.shape[0]
+    gate_GN = jnp.einsum("nk,nkg->gn", weights_Nk.astype(jnp.float32), jax.nn.one_hot(idx_Nk, g, dtype=jnp.float32))
+    # Batched over the experts (the tokens broadcast to each): each weight is read in its stored layout.
+    xs = jnp.broadcast_to(x_ND.astype(policy.compute_dtype), (g, *x_ND.shape))
+    dot = lambda spec, a, w: jnp.einsum(spec, a, w.astype(policy.compute_dtype), precision=policy.precision,
+                                        preferred_element_type=jnp.float32)
+    h = swiglu(dot("gnd,gdi->gni", xs, w1_GDI), dot("gnd,gdi->gni", xs, w3_GDI), limit) * gate_GN[..., None]
+    return dot("gni,gid->gnd", h.astype(policy.compute_dtype), w2_GID).sum(axis=0)
 
 
 def _experts_per_pick(x_ND, weights_Nk, flat, w1_GDI, w3_GDI, w2_GID, *, limit: float, policy: Policy):
