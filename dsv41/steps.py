@@ -157,11 +157,27 @@ class _Inputs:
     engram_ids: jax.Array | None
 
 
-def _run(model, cfg, stage, carry, published, inputs: _Inputs, entries_ready=()):
-    """Runs the stacks of `stage` ("encoder", "decoder", or None: all) over the new tokens. carry =
-    (x [B,S,N,D], pre [B,S,N], window, window_scales, window_start, compressed): the streams and the
-    cache leaves, threaded through each stack's scan (every layer writes its own slice in place).
-    entries_ready: layers whose compressor already wrote these tokens' entries. Returns (carry, published)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _State:
+    """What a step threads through its layers (the scans' carry): the residual streams x [B,S,N,D] and
+    pre [B,S,N], and the cache leaves every layer writes its own slice of, in place (`Cache`'s)."""
+
+    x: jax.Array
+    pre: jax.Array
+    window: jax.Array
+    window_scales: jax.Array
+    window_start: jax.Array
+    compressed: tuple
+
+    def replace(self, **changes) -> "_State":
+        return dataclasses.replace(self, **changes)
+
+
+def _run(model, cfg, stage, state: _State, published, inputs: _Inputs, entries_ready=()):
+    """Runs the stacks of `stage` ("encoder", "decoder", or None: all) over the new tokens, the `_State`
+    threaded through each stack's scan. entries_ready: layers whose compressor already wrote these
+    tokens' entries. Returns (state, published)."""
     plan = layer_plan(cfg)
     slots = store_slots(cfg)
     for s, st in enumerate(model.stacks):
@@ -172,11 +188,10 @@ def _run(model, cfg, stage, carry, published, inputs: _Inputs, entries_ready=())
         if any(len(r) > 1 for r in ready):
             raise ValueError(f"entries_ready: {sorted(entries_ready)}: expected all or none of the layers of a stack")
 
-        def layer_fn(block, at, carry, published, s=s, spec=spec, ready=ready):
-            x, pre, window, window_scales, window_start, compressed = carry
-            compressed = list(compressed)
+        def layer_fn(block, at, state: _State, published, s=s, spec=spec, ready=ready):
+            compressed = list(state.compressed)
             rec = block.attn.record  # group 0's: its sources inside the stack are this group's
-            ring = LayerStore({"values": window, "scales": window_scales}, at.layer)
+            ring = LayerStore({"values": state.window, "scales": state.window_scales}, at.layer)
             stores, where = {}, {}
             if rec.kv_source is not None:
                 src = rec.kv_source
@@ -188,24 +203,24 @@ def _run(model, cfg, stage, carry, published, inputs: _Inputs, entries_ready=())
                 stores[src], where[src] = LayerStore(vars(compressed[k]).copy(), src_group), k
 
             def attend(attn, h):
-                return attn.step(h, inputs.positions, inputs.valid, inputs.lengths, ring, window_start[at.layer],
+                return attn.step(h, inputs.positions, inputs.valid, inputs.lengths, ring, state.window_start[at.layer],
                                  published, stores, entries_ready=True in ready[at.j])
 
             ids = None if block.engram is None else model.engram_column(at.layer, inputs.engram_ids)
-            x, pre, (new_ring, new_stores, handoff) = block(x, pre, attend, ids, inputs.tokens)
-            window, window_scales = new_ring.leaves["values"], new_ring.leaves["scales"]
+            x, pre, (new_ring, new_stores, handoff) = block(state.x, state.pre, attend, ids, inputs.tokens)
             for src, k in where.items():
                 compressed[k] = CompressedKV(**new_stores[src].leaves)
             if handoff is not None:
                 published = {**published, rec.index: handoff}
-            return (x, pre, window, window_scales, window_start, tuple(compressed)), published
+            return state.replace(x=x, pre=pre, window=new_ring.leaves["values"], window_scales=new_ring.leaves["scales"],
+                                 compressed=tuple(compressed)), published
 
-        carry, published, _ = st.run(layer_fn, carry, published)
-    return carry, published
+        state, published, _ = st.run(layer_fn, state, published)
+    return state, published
 
 
-def _carry(cache: Cache, x, pre):
-    return x, pre, cache.window, cache.window_scales, cache.window_start, cache.compressed
+def _state(cache: Cache, x, pre) -> _State:
+    return _State(x, pre, cache.window, cache.window_scales, cache.window_start, cache.compressed)
 
 
 def _head(model, x_BSND, pre, counts_B):
@@ -215,15 +230,14 @@ def _head(model, x_BSND, pre, counts_B):
     return model.head(model.norm(h)[:, 0]).astype(jnp.float32)
 
 
-def _finish(cfg, cache, lengths, carry, published, counts_B):
-    _, _, window, window_scales, window_start, compressed = carry
+def _finish(cfg, cache, lengths, state: _State, published, counts_B):
     pool = cache.pool_blocks
     sources = [r.candidate_source for r in layer_plan(cfg) if r.candidate_source is not None]
     if sources and sources[0] in published:
         rows, last = jnp.arange(counts_B.shape[0]), jnp.maximum(counts_B - 1, 0)
         pool = jnp.where((counts_B > 0)[:, None], published[sources[0]].pool_ids[rows, last], pool)
-    return Cache(lengths=lengths, window=window, window_scales=window_scales, compressed=compressed,
-                 window_start=window_start, pool_blocks=pool, recent_tokens=cache.recent_tokens)
+    return Cache(lengths=lengths, window=state.window, window_scales=state.window_scales, compressed=state.compressed,
+                 window_start=state.window_start, pool_blocks=pool, recent_tokens=cache.recent_tokens)
 
 
 def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
@@ -238,8 +252,8 @@ def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, eng
     inputs = _Inputs(cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32), jnp.arange(s) < counts_B[:, None],
                      cache.lengths, tokens_BS, engram_ids_BSLC)
     x, pre = model.embed_tokens(tokens_BS)
-    carry, published = _run(model, cfg, None, _carry(cache, x, pre), {}, inputs)
-    return _head(model, carry[0], carry[1], counts_B), _finish(cfg, cache, cache.lengths + counts_B, carry,
+    state, published = _run(model, cfg, None, _state(cache, x, pre), {}, inputs)
+    return _head(model, state.x, state.pre, counts_B), _finish(cfg, cache, cache.lengths + counts_B, state,
                                                                published, counts_B)
 
 
@@ -260,31 +274,30 @@ def _ced(key, lowering, params, cache: Cache, tokens_BS, counts_B, engram_ids_BS
     positions = cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32)
     valid = jnp.arange(s) < counts_B[:, None]
     x, pre = model.embed_tokens(tokens_BS)
-    carry, published = _run(model, cfg, "encoder", _carry(cache, x, pre), {},
+    state, published = _run(model, cfg, "encoder", _state(cache, x, pre), {},
                             _Inputs(positions, valid, cache.lengths, tokens_BS, engram_ids_BSLC))
-    x, pre, window, window_scales, window_start, compressed = carry
     block = model.layer(source)
     k, g = store_of(cfg, source)
-    store = write_entries(block.attn, block.attn_norm(mhc.collapse(x, pre)), cache.lengths, counts_B,
+    compressed = state.compressed
+    store = write_entries(block.attn, block.attn_norm(mhc.collapse(state.x, state.pre)), cache.lengths, counts_B,
                           LayerStore(vars(compressed[k]).copy(), g))
-    compressed = (*compressed[:k], CompressedKV(**store.leaves), *compressed[k + 1:])
+    state = state.replace(compressed=(*compressed[:k], CompressedKV(**store.leaves), *compressed[k + 1:]))
     new_len = cache.lengths + counts_B
     if not replay:
-        carry = (x, pre, window, window_scales, window_start, compressed)
-        return None, _finish(cfg, cache, new_len, carry, published, counts_B)
+        return None, _finish(cfg, cache, new_len, state, published, counts_B)
     # Each row's last `replay` tokens (fewer if the row brought fewer), left-aligned.
     n = jnp.minimum(counts_B, replay)
     first = counts_B - n
     idx = jnp.clip(first[:, None] + jnp.arange(replay), 0, s - 1)
     rows = jnp.arange(b)[:, None]
     start = cache.lengths + first
-    window_start = _restart(window_start, decoder, n > 0, start)
     ids = None if engram_ids_BSLC is None else engram_ids_BSLC[rows, idx]
-    carry = (x[rows, idx], pre[rows, idx], window, window_scales, window_start, compressed)
-    carry, published = _run(model, cfg, "decoder", carry, published,
+    state = state.replace(x=state.x[rows, idx], pre=state.pre[rows, idx],
+                          window_start=_restart(state.window_start, decoder, n > 0, start))
+    state, published = _run(model, cfg, "decoder", state, published,
                             _Inputs(positions[rows, idx], jnp.arange(replay) < n[:, None], start, tokens_BS[rows, idx],
                                     ids), entries_ready=(source,))
-    return _head(model, carry[0], carry[1], n), _finish(cfg, cache, new_len, carry, published, n)
+    return _head(model, state.x, state.pre, n), _finish(cfg, cache, new_len, state, published, n)
 
 
 def _restart(window_start_LB, layers, when_B, start_B):
@@ -311,21 +324,21 @@ def _replay(key, lowering, params, cache: Cache, tokens_BR, counts_B, engram_ids
     positions = start[:, None] + jnp.arange(s, dtype=jnp.int32)
     valid = jnp.arange(s) < counts_B[:, None]
     x, pre = model.embed_tokens(tokens_BR)
-    carry = _carry(cache, x, pre)
-    carry = (*carry[:4], _restart(carry[4], encoder, counts_B > 0, start), carry[5])
-    carry, published = _run(model, cfg, "encoder", carry, {},
+    state = _state(cache, x, pre)
+    state = state.replace(window_start=_restart(state.window_start, encoder, counts_B > 0, start))
+    state, published = _run(model, cfg, "encoder", state, {},
                             _Inputs(positions, valid, start, tokens_BR, engram_ids_BRLC), entries_ready=ready)
     if not dec:
-        return _finish(cfg, cache, cache.lengths, carry, published, counts_B * 0)
-    x, pre = carry[0], carry[1]
+        return _finish(cfg, cache, cache.lengths, state, published, counts_B * 0)
     n = jnp.minimum(counts_B, dec)
     first = counts_B - n
     idx = jnp.clip(first[:, None] + jnp.arange(dec), 0, s - 1)
     rows = jnp.arange(b)[:, None]
     dstart = cache.lengths - n
-    carry = (x[rows, idx], pre[rows, idx], *carry[2:4], _restart(carry[4], decoder, n > 0, dstart), carry[5])
+    state = state.replace(x=state.x[rows, idx], pre=state.pre[rows, idx],
+                          window_start=_restart(state.window_start, decoder, n > 0, dstart))
     ids = None if engram_ids_BRLC is None else engram_ids_BRLC[rows, idx]
-    carry, published = _run(model, cfg, "decoder", carry, published,
+    state, published = _run(model, cfg, "decoder", state, published,
                             _Inputs(positions[rows, idx], jnp.arange(dec) < n[:, None], dstart, tokens_BR[rows, idx],
                                     ids), entries_ready=ready)
-    return _finish(cfg, cache, cache.lengths, carry, published, n)
+    return _finish(cfg, cache, cache.lengths, state, published, n)

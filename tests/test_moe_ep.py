@@ -178,9 +178,10 @@ if __name__ == "__main__":
     print(json.dumps({"checks": _checks}[sys.argv[1]]()))
 
 
-def test_per_pick_experts_equal_float64_numpy_and_ragged_dot():
-    """`Lowering.experts_per_pick` (the FLOP-counting form) and the ragged_dot form both equal a float64 NumPy sum
-    over each token's picks; a pick naming an expert held elsewhere (id == G) contributes nothing."""
+def test_expert_forms_equal_float64_numpy():
+    """Every form of the routed experts — ragged_dot (TPU/GPU), dense over the held experts (CPU) and one
+    matmul per pick (FLOP counting) — equals a float64 NumPy sum over each token's picks; a pick naming an
+    expert held elsewhere (id == G) contributes nothing. On CPU a one-token step takes the dense form."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -203,11 +204,12 @@ def test_per_pick_experts_equal_float64_numpy_and_ragged_dot():
             a, b = x[t].astype(np.float64) @ w1[e], x[t].astype(np.float64) @ w3[e]
             a, b = np.minimum(a, limit), np.clip(b, -limit, limit)
             want[t] += w[t, j] * ((a / (1 + np.exp(-a)) * b) @ w2[e])
-    run = lambda lowering: np.asarray(moe.experts(jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx), w1, w3, w2,
-                                                  limit=limit, policy=Policy(jnp.float32, jnp.float32,
-                                                                             lowering=lowering)))
-    with jax.default_matmul_precision("highest"):
-        ragged = run(Policy(jnp.float32, jnp.float32).lowering)
-        per_pick = run(FLOP_COUNTING)
-    np.testing.assert_allclose(ragged, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(per_pick, want, rtol=1e-5, atol=1e-5)
+    policy = Policy(jnp.float32, jnp.float32)
+    cpu = jax.default_backend() == "cpu"
+    assert [moe.expert_form(policy, s) for s in (1, 2, None)] == ["dense" if cpu else "ragged", "ragged", "ragged"]
+    assert moe.expert_form(Policy(jnp.float32, jnp.float32, lowering=FLOP_COUNTING)) == "per_pick"
+    for form in ("ragged", "dense", "per_pick"):
+        with jax.default_matmul_precision("highest"):
+            got = np.asarray(moe.experts(jnp.asarray(x), jnp.asarray(w), jnp.asarray(idx), w1, w3, w2, limit=limit,
+                                         policy=policy, form=form))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=form)

@@ -72,11 +72,10 @@ class Attention(nnx.Module):
                                    a.norm_eps, policy=policy, rngs=rngs)
                         if record.mode in (FULL, REINDEX) else None)
 
-    def __call__(self, x_BSD, positions_BS, published: dict):
-        """(attention output [B, S, D], this layer's `Handoff` or None). published: {layer: Handoff} of the
-        layers before it."""
+    def project(self, x_BSD, positions_BS):
+        """(qr [B,S,Q], q [B,S,H,K], kv [B,S,K]): the query latent, the rotated queries and the rotated
+        key/value latent, before its FP8 storage (every form of the layer starts here)."""
         b, s, _ = x_BSD.shape
-        rec = self.record
         inv_freq = np.asarray(self.inv_freq, np.float32)
         qr = self.q_norm(self.wq_a(x_BSD))
         q = self.wq_b(qr).reshape(b, s, self.heads, self.head_dim)
@@ -84,6 +83,24 @@ class Attention(nnx.Module):
             q = rms_normalize(q, self.q_head_eps).astype(q.dtype)
         q = apply_rope(q, positions_BS, inv_freq)
         kv = apply_rope(self.kv_norm(self.wkv(x_BSD)), positions_BS, inv_freq)
+        return qr, q, kv
+
+    def output(self, out_BSHK, positions_BS):
+        """The layer's output [B,S,D] from the attention's [B,S,H,K]: RoPE dims rotated back at the query
+        position, then the grouped wo_a and wo_b (every form of the layer ends here)."""
+        b, s = out_BSHK.shape[:2]
+        out = apply_rope(out_BSHK, positions_BS, np.asarray(self.inv_freq, np.float32), inverse=True)
+        grouped = out.reshape(b, s, self.groups, -1)
+        y = jnp.einsum("bsgi,gio->bsgo", grouped.astype(self.policy.compute_dtype),
+                       self.wo_a[...].astype(self.policy.compute_dtype), precision=self.policy.precision)
+        return self.wo_b(y.reshape(b, s, -1))
+
+    def __call__(self, x_BSD, positions_BS, published: dict):
+        """(attention output [B, S, D], this layer's `Handoff` or None) over the whole sequence: the step's
+        math with every key in view at once (window and selection as masks). published: {layer: Handoff}
+        of the layers before it."""
+        rec = self.record
+        qr, q, kv = self.project(x_BSD, positions_BS)
         if self.fake_quant:
             kv = quant.fake_quant(kv, quant.FP8_UE8M0_32)
         self.sow(nnx.Intermediate, "window_kv", kv)
@@ -100,11 +117,7 @@ class Attention(nnx.Module):
             mask = jnp.concatenate([mask, chosen], axis=-1)
 
         out = attend_step(q, keys, mask, None, None, self.attn_sink[...], self.head_dim ** -0.5)
-        out = apply_rope(out, positions_BS, inv_freq, inverse=True)
-        grouped = out.reshape(b, s, self.groups, -1)
-        y = jnp.einsum("bsgi,gio->bsgo", grouped.astype(self.policy.compute_dtype),
-                       self.wo_a[...].astype(self.policy.compute_dtype), precision=self.policy.precision)
-        return self.wo_b(y.reshape(b, s, -1)), mine
+        return self.output(out, positions_BS), mine
 
     def _publish(self, x_BSD, qr_BSQ, positions_BS, published: dict) -> Handoff | None:
         rec = self.record

@@ -25,7 +25,6 @@ from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_wi
 from dsv41.nn import indexer as ix
 from dsv41.nn.attend import NEG_INF, Handoff, attend_step, window_keys
 from dsv41.nn.indexer import pool_gather_scores
-from dsv41.nn.norm import rms_normalize
 from dsv41.nn.rope import apply_rope
 
 HI = jax.lax.Precision.HIGHEST
@@ -99,13 +98,7 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerSt
     b, s, _ = x_BSD.shape
     counts = valid_BS.sum(-1).astype(jnp.int32)
     new_len = lengths_B + counts
-    inv_freq = np.asarray(attn.inv_freq, np.float32)
-    qr = attn.q_norm(attn.wq_a(x_BSD))
-    q = attn.wq_b(qr).reshape(b, s, attn.heads, attn.head_dim)
-    if attn.q_head_eps is not None:
-        q = rms_normalize(q, attn.q_head_eps).astype(q.dtype)
-    q = apply_rope(q, positions_BS, inv_freq)
-    kv = apply_rope(attn.kv_norm(attn.wkv(x_BSD)), positions_BS, inv_freq)
+    qr, q, kv = attn.project(x_BSD, positions_BS)
     quantised = packed(ring.leaves["values"])
     if quantised:  # the FP8 ring (V4.1)
         kv_vals, kv_scales = quant.quantize_fp8_ue8m0_32(kv)
@@ -150,10 +143,7 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerSt
         out = attend_step(q, keys_w, mask_w, sel, sel_ok, attn.attn_sink[...], attn.head_dim ** -0.5, shared)
     else:  # the Pallas kernel reads the bytes themselves: [ring | new tokens] and the picked entries
         out = _attend_kernel(attn, q, win_vals, win_scales, mask_w, picks, stores)
-    out = apply_rope(out, positions_BS, inv_freq, inverse=True)
-    y = jnp.einsum("bsgi,gio->bsgo", out.reshape(b, s, attn.groups, -1).astype(attn.policy.compute_dtype),
-                   attn.wo_a[...].astype(attn.policy.compute_dtype), precision=attn.policy.precision)
-    return attn.wo_b(y.reshape(b, s, -1)), (ring, stores, handoff)
+    return attn.output(out, positions_BS), (ring, stores, handoff)
 
 
 def compressed_v41(attn, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, published, stores,

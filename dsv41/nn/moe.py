@@ -5,9 +5,10 @@ balancing term updated outside the gradient (a `BalanceBias` variable, stop-grad
 weights are s at the picks, normalised (+1e-20) and scaled by the route scale. An expert computes
 w2((silu(min(w1 x, L)) · clip(w3 x, ±L)) · weight). Routed tokens are sorted by expert and run
 through `jax.lax.ragged_dot`: no dense all-experts compute. On CPU, where XLA expands a ragged_dot into
-a dot of every pick against every group (N·k·G rows, and the weights transposed for it each call), every
-held expert runs over every token instead (N·G rows, the weights in their stored layout), weighted by the
-token's gate for it: k times less arithmetic than that expansion and no sort, gather or scatter.
+a dot of every pick against every group (N·k·G rows, and every weight transposed for it each call), a
+one-token step (decode) runs every held expert over its tokens instead (N·G rows, the weights read in their
+stored layout), weighted by each token's gate for it: k times less arithmetic than that expansion and no
+weight copies.
 Expert parallelism (DESIGN §9): built with a layout (`Policy.lowering.layout`, part of the module
 structure and so of the jit key) on a mesh, the routed experts run in a `jax.shard_map`: each device gathers the tokens of its expert group, runs the picks that name
 its own experts (and its slice of the intermediate width), and the partial sums go back to the tokens'
@@ -81,34 +82,50 @@ class MoE(nnx.Module):
         x = x_BSD.reshape(-1, shape[-1])
         weights, idx = self.route(x, None if tokens_BS is None else tokens_BS.reshape(-1))
         self.sow(nnx.Intermediate, "experts", idx.reshape(*shape[:-1], -1))
-        y = self.routed(x, weights, idx)
+        y = self.routed(x, weights, idx, expert_form(self.policy, shape[1]))
         if self.shared is not None:
             y = y + self.shared(x).astype(jnp.float32)
         return y.astype(x_BSD.dtype).reshape(shape)
 
-    def routed(self, x_ND, weights_Nk, idx_Nk):
+    def routed(self, x_ND, weights_Nk, idx_Nk, form=None):
         """Σ_k weight_k · expert_{idx_k}(x) [N, D] fp32: on one device, or expert-parallel when built with
-        a layout (`Policy.lowering.layout`) on a mesh of more than one device."""
+        a layout (`Policy.lowering.layout`) on a mesh of more than one device (form: `experts`')."""
         layout = self.policy.lowering.layout
         w = (self.w1[...], self.w3[...], self.w2[...])
         if layout is None or layout.mesh.size == 1:
-            return experts(x_ND, weights_Nk, idx_Nk, *w, limit=self.limit, policy=self.policy)
-        return experts_parallel(layout, x_ND, weights_Nk, idx_Nk, *w, limit=self.limit, policy=self.policy)
+            return experts(x_ND, weights_Nk, idx_Nk, *w, limit=self.limit, policy=self.policy, form=form)
+        return experts_parallel(layout, x_ND, weights_Nk, idx_Nk, *w, limit=self.limit, policy=self.policy, form=form)
 
 
-def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, policy: Policy):
-    """Σ_k weight_k · expert_{idx_k}(x) [N, D] fp32 over the G experts held here, the (token, k) picks sorted
-    by expert. A pick with idx == G names an expert held elsewhere: sorted past the last group, it gets no
-    work from ragged_dot and is dropped when the rows go back to their tokens. policy.lowering.experts_per_pick
-    traces one matmul per pick against that expert's gathered weights instead (what XLA's cost analysis
-    counts as computed; it counts a ragged_dot as if every row met every group); the result is the same."""
+def expert_form(policy: Policy, tokens_per_row: int | None = None) -> str:
+    """How `experts` computes: "per_pick" (`Lowering.experts_per_pick`, for FLOP reports), "dense" for a
+    one-token step (decode) on CPU (module doc), else "ragged" (`ragged_dot`; the whole-sequence forward and
+    prefill chunks keep it on CPU too, so that they round exactly alike)."""
+    if policy.lowering.experts_per_pick:
+        return "per_pick"
+    cpu = dispatch.platform(policy.lowering.layout) == "cpu"
+    return "dense" if cpu and tokens_per_row == 1 else "ragged"
+
+
+def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, policy: Policy, form=None):
+    """Σ_k weight_k · expert_{idx_k}(x) [N, D] fp32 over the G experts held here. A pick with idx == G names an
+    expert held elsewhere and contributes nothing. form (default `expert_form(policy)`): "ragged" sorts the
+    (token, k) picks by expert for `ragged_dot` (a pick held elsewhere sorts past the last group, gets no
+    work and is dropped when the rows go back to their tokens); "dense" runs every held expert over every
+    token, weighted by the token's gate for it; "per_pick" traces one matmul per pick against that
+    expert's gathered weights (what XLA's cost analysis counts as computed: it counts a ragged_dot as if
+    every row met every group). The results are the same sums, in another order."""
+    form = form or expert_form(policy)
+    if form == "per_pick":
+        return _experts_per_pick(x_ND, weights_Nk, idx_Nk.reshape(-1), w1_GDI, w3_GDI, w2_GID, limit=limit,
+                                 policy=policy)
+    if form == "dense":
+        return _experts_dense(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, limit=limit, policy=policy)
+    if form != "ragged":
+        raise ValueError(f"form: {form!r}: expected 'ragged', 'dense' or 'per_pick'")
     n, k = idx_Nk.shape
     g = w1_GDI.shape[0]
     flat = idx_Nk.reshape(-1)
-    if policy.lowering.experts_per_pick:
-        return _experts_per_pick(x_ND, weights_Nk, flat, w1_GDI, w3_GDI, w2_GID, limit=limit, policy=policy)
-    if dispatch.platform(policy.lowering.layout) == "cpu":
-        return _experts_dense(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, limit=limit, policy=policy)
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=g + 1)[:g].astype(jnp.int32)
     xs = x_ND[order // k].astype(policy.compute_dtype)
@@ -122,11 +139,11 @@ def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, p
 
 
 def _experts_dense(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, policy: Policy):
-    """Every held expert over every token, weighted by the token's gate for it (0 where it did not pick
-    it; a pick of an expert held elsewhere, idx == G, weighs nothing): the CPU lowering (module doc)."""
+    """Every held expert over every token (the CPU decode form, module doc), weighted by the token's gate
+    for it: the sum of its picks' weights for that expert (0 where it picked it not; a pick of an expert held
+    elsewhere, idx == G, weighs nothing). Batched over the experts, so each weight is read as stored."""
     g = w1_GDI.shape[0]
     gate_GN = jnp.einsum("nk,nkg->gn", weights_Nk.astype(jnp.float32), jax.nn.one_hot(idx_Nk, g, dtype=jnp.float32))
-    # Batched over the experts (the tokens broadcast to each): each weight is read in its stored layout.
     xs = jnp.broadcast_to(x_ND.astype(policy.compute_dtype), (g, *x_ND.shape))
     dot = lambda spec, a, w: jnp.einsum(spec, a, w.astype(policy.compute_dtype), precision=policy.precision,
                                         preferred_element_type=jnp.float32)
@@ -169,8 +186,8 @@ class ExpertLayout:
 
 
 def experts_parallel(layout: ExpertLayout, x_ND, weights_Nk, idx_Nk, w1_EDI, w3_EDI, w2_EID, *, limit: float,
-                     policy: Policy):
-    """`experts` in a shard_map over layout.mesh (all-gather / reduce-scatter, exact).
+                     policy: Policy, form=None):
+    """`experts` in a shard_map over layout.mesh (all-gather / reduce-scatter, exact; form: `experts`').
 
     A device holds N/T token rows (T = product of the token axes) and E/X experts (X = product of the
     expert axes) with I/Y of their width (Y: tensor axes). Its group — the devices that together hold
@@ -204,7 +221,7 @@ def experts_parallel(layout: ExpertLayout, x_ND, weights_Nk, idx_Nk, w1_EDI, w3_
         first = jax.lax.axis_index(layout.expert_axes) * held if layout.expert_axes else 0
         mine = idx - first
         mine = jnp.where((mine >= 0) & (mine < held), mine, held)
-        y = experts(x, weights, mine, w1, w3, w2, limit=limit, policy=policy)
+        y = experts(x, weights, mine, w1, w3, w2, limit=limit, policy=policy, form=form)
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
         return jax.lax.psum(y, reduce) if reduce else y
