@@ -12,6 +12,7 @@ _LAZY = {
     "init_cache": "dsv41.cache",
     "prefill": "dsv41.steps",
     "decode": "dsv41.steps",
+    "bind": "dsv41.steps",
     "config_from_transformers": "dsv41.transformers_io",
     "params_from_transformers": "dsv41.transformers_io",
 }

@@ -57,9 +57,10 @@ def _prefill(params, cfg, prompt, capacity, chunk, progress):
     calls = list(_prefill_calls(prompt, chunk))
     progress(f"prefill ({schedule}) compiling")
     t = time.perf_counter()
+    bound = steps.bind(params, cfg)
     scratch = cache_lib.init_cache(cfg, 1, capacity)
     for tokens, n, final in calls[:1] + calls[1:][-1:]:
-        _, scratch = steps.prefill(params, cfg, scratch, tokens, [n], final=final)
+        _, scratch = bound.prefill(scratch, tokens, [n], final=final)
     jax.block_until_ready(scratch)
     compile_s = time.perf_counter() - t
     del scratch
@@ -67,7 +68,7 @@ def _prefill(params, cfg, prompt, capacity, chunk, progress):
     cache = jax.block_until_ready(cache_lib.init_cache(cfg, 1, capacity))
     t = time.perf_counter()
     for k, (tokens, n, final) in enumerate(calls):
-        logits, cache = steps.prefill(params, cfg, cache, tokens, [n], final=final)
+        logits, cache = bound.prefill(cache, tokens, [n], final=final)
         progress(f"prefill ({schedule}) {min((k + 1) * chunk, len(prompt))}/{len(prompt)} tokens")
     jax.block_until_ready((logits, cache))
     return logits, cache, compile_s, time.perf_counter() - t
@@ -99,11 +100,12 @@ def run(cfg_name: str, prompt_len: int, new_tokens: int, chunk: int, seed: int, 
     report["fixed_bytes_per_sequence"] = fixed
 
     generated, times = [], []
+    bound = steps.bind(params, cfg)
     for _ in range(new_tokens):
         token = int(np.argmax(np.asarray(logits)[0]))
         generated.append(token)
         t = time.perf_counter()
-        logits, cache = steps.decode(params, cfg, cache, [token])
+        logits, cache = bound.decode(cache, [token])
         jax.block_until_ready(logits)
         times.append(time.perf_counter() - t)
     steady = times[1:] or times

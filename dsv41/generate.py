@@ -28,7 +28,7 @@ from dsv41 import model as model_lib
 from dsv41.cache import init_cache
 from dsv41.errors import ConfigError
 from dsv41.plan import layer_plan
-from dsv41.steps import prefill, step_body
+from dsv41.steps import bind, step_body
 
 
 def generate(params, cfg, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -92,6 +92,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, temperature, top_p, top_k
         return _device_loop(params, cfg, cache, logits_BV, rows, block, on_token)
     outputs = [[] for _ in prompts]
     done = np.zeros(len(prompts), bool)
+    bound = bind(params, cfg)  # once for the loop (each free call flattens the parameters again)
     for step in range(max_new_tokens):
         tokens = np.asarray(sample_rows(logits_BV, rows, jnp.full((b,), step, jnp.int32)))
         for row, token in enumerate(tokens.tolist()):
@@ -105,8 +106,8 @@ def _generate(params, cfg, prompts, *, max_new_tokens, temperature, top_p, top_k
                 on_token(row, token)
         if done.all() or step == max_new_tokens - 1:
             break
-        logits_BV, cache = prefill(params, cfg, cache, np.where(done, 0, tokens)[:, None], (~done).astype(np.int32),
-                                   token_map=token_map)
+        logits_BV, cache = bound.prefill(cache, np.where(done, 0, tokens)[:, None], (~done).astype(np.int32),
+                                         token_map=token_map)
     return outputs
 
 
@@ -239,6 +240,7 @@ def prefill_chunked(params, cfg, cache, prompts, *, chunk: int = 512, token_map=
     width = min(chunk, int(lengths.max()))
     calls = -(-int(lengths.max()) // width)
     done = 0
+    bound = bind(params, cfg)
     for k in range(calls):
         end = lengths - (calls - 1 - k) * width
         start = np.maximum(end - width, 0)
@@ -246,7 +248,7 @@ def prefill_chunked(params, cfg, cache, prompts, *, chunk: int = 512, token_map=
         tokens_BS = np.zeros((len(prompts), width), np.int32)
         for row, p in enumerate(prompts):
             tokens_BS[row, :counts[row]] = p[start[row]:start[row] + counts[row]]
-        logits_BV, cache = prefill(params, cfg, cache, tokens_BS, counts, token_map=token_map, final=k == calls - 1)
+        logits_BV, cache = bound.prefill(cache, tokens_BS, counts, token_map=token_map, final=k == calls - 1)
         done += int(counts.sum())
         if on_progress is not None:
             on_progress(done, int(lengths.sum()))

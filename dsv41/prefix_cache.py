@@ -325,6 +325,7 @@ class PrefixCache:
                               f"expected {schema.V41!r}: the prefix cache stores V4.1's global KV and replays "
                               "V4.1's windows")
         self.cfg, self.params, self.token_map = cfg, params, token_map
+        self.steps = steps.bind(params, cfg)  # the steps, bound once (`steps.Bound`)
         pc = cfg.kv_cache.persistent_cache
         if block_tokens is None:
             block_tokens = pc.block_tokens
@@ -545,7 +546,7 @@ class PrefixCache:
             infos[row].replayed = (n, min(dec, n))
             self.counters.replays += 1
         ids = self._engram_ids(prompts, n_cached, tokens, counts)
-        return steps.replay(self.params, self.cfg, cache, tokens, counts, decoder_tokens=dec, engram_ids_BRLC=ids)
+        return self.steps.replay(cache, tokens, counts, decoder_tokens=dec, engram_ids_BRLC=ids)
 
     def _engram_ids(self, prompts, n_cached, tokens, counts):
         e = self.cfg.architecture.engram
@@ -600,6 +601,6 @@ class PrefixCache:
             tokens = np.zeros((len(prompts), chunk), np.int32)
             for row, p in enumerate(prompts):
                 tokens[row, :counts[row]] = p[start[row]:start[row] + counts[row]]
-            logits, cache = steps.prefill(self.params, self.cfg, cache, tokens, counts, token_map=self.token_map,
-                                          final=final and k == calls - 1)
+            logits, cache = self.steps.prefill(cache, tokens, counts, token_map=self.token_map,
+                                               final=final and k == calls - 1)
         return logits, cache

@@ -3,8 +3,9 @@
 `prefill(params, cfg, cache, tokens [B, S], lengths [B])` appends each row's first `lengths[b]` tokens
 (the rest of the row is padding) to what the cache already holds — call it again for the next chunk —
 and returns the logits at each row's last new token. `decode(params, cfg, cache, next_tokens [B])`
-appends one token per row. The Engram hash ids are computed on the host (int64 NumPy) from the new
-tokens and the n-gram look-back kept in the cache.
+appends one token per row. `bind(params, cfg)` gives both (and `replay`) bound to the parameters and
+the config once, for loops of steps (each free call flattens the parameters again). The Engram hash ids
+are computed on the host (int64 NumPy) from the new tokens and the n-gram look-back kept in the cache.
 """
 
 from __future__ import annotations
@@ -38,32 +39,76 @@ def _plan_of(key: str):
     return layer_plan(model_lib.config_from_key(key))
 
 
-def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, final: bool = True):
-    """Appends tokens [B, S] (row b: its first lengths[b]) to the cache: (logits [B, V] fp32, cache).
+class Bound:
+    """`prefill`, `decode` and `replay` bound to one config and its parameters: the config's key and the
+    parameters' leaves are taken once, so that a call pays only its host checks and the dispatch of the
+    compiled step (the free functions serialise the config and flatten every parameter each call: about
+    half of a small model's host time per decode step). Bind again after changing either; `cfg` is the
+    bound config itself (built from its key), so a later change to the caller's config cannot reach it."""
 
-    With `runtime.prefill_schedule = "ced"` (DESIGN §3.5) the tokens run through the encoder and the
-    decoder's KV projections; on the `final` chunk of a prompt its last `decoder_replay_tokens` also run
-    through the decoder, their windows truncated to the replayed span, and give the logits (on other
-    chunks the returned logits are None).
-    """
-    view = host_view(cache)
-    held = view.lengths
-    key = model_lib.config_key(cfg)  # the config's identity, once per call (the plan below is cached by it)
-    tokens, counts = check_tokens(cfg, tokens, lengths, held, capacity(cfg, cache, _plan_of(key)))
-    s = tokens.shape[1]
-    ids, recent = engram_inputs(cfg, view.recent_tokens, tokens, counts, held, token_map)
-    tokens = tokens.astype(np.int32)  # host arrays go to the jitted step as they are (no eager device ops)
-    if cfg.runtime.prefill_schedule == "ced" and cfg.architecture.family != schema.V41:
-        raise ConfigError("runtime.prefill_schedule", "ced", f"expected 'full' for the {cfg.architecture.family!r} "
-                          "family: CED needs V4.1's encoder and decoder stages")
-    if cfg.runtime.prefill_schedule == "ced" and s > 1:
-        replay = min(cfg.swa_bounded_replay.decoder_replay_tokens, s) if final else 0
-        logits, cache = _ced(key, None, params, cache, tokens, counts, ids, replay)
-    else:
-        logits, cache = _step(key, None, params, cache, tokens, counts, ids)
-    if ids is not None:
-        cache = dataclasses.replace(cache, recent_tokens=jnp.asarray(recent, jnp.int32))
-    return logits, with_mirror(cache, held + counts, recent)
+    def __init__(self, params, cfg):
+        self.key = model_lib.config_key(cfg)
+        self.cfg = model_lib.config_from_key(self.key)
+        self.plan = _plan_of(self.key)
+        self.leaves, self.treedef = jax.tree.flatten(params)
+
+    def prefill(self, cache: Cache, tokens, lengths=None, *, token_map=None, final: bool = True):
+        """Appends tokens [B, S] (row b: its first lengths[b]) to the cache: (logits [B, V] fp32, cache).
+
+        With `runtime.prefill_schedule = "ced"` (DESIGN §3.5) the tokens run through the encoder and the
+        decoder's KV projections; on the `final` chunk of a prompt its last `decoder_replay_tokens` also run
+        through the decoder, their windows truncated to the replayed span, and give the logits (on other
+        chunks the returned logits are None).
+        """
+        cfg, key = self.cfg, self.key
+        view = host_view(cache)
+        held = view.lengths
+        tokens, counts = check_tokens(cfg, tokens, lengths, held, capacity(cfg, cache, self.plan))
+        s = tokens.shape[1]
+        ids, recent = engram_inputs(cfg, view.recent_tokens, tokens, counts, held, token_map)
+        tokens = tokens.astype(np.int32)  # host arrays go to the jitted step as they are (no eager device ops)
+        if cfg.runtime.prefill_schedule == "ced" and cfg.architecture.family != schema.V41:
+            raise ConfigError("runtime.prefill_schedule", "ced", f"expected 'full' for the {cfg.architecture.family!r} "
+                              "family: CED needs V4.1's encoder and decoder stages")
+        if cfg.runtime.prefill_schedule == "ced" and s > 1:
+            replay = min(cfg.swa_bounded_replay.decoder_replay_tokens, s) if final else 0
+            logits, cache = _ced(key, None, self.treedef, self.leaves, cache, tokens, counts, ids, replay)
+        else:
+            logits, cache = _step(key, None, self.treedef, self.leaves, cache, tokens, counts, ids)
+        if ids is not None:
+            cache = dataclasses.replace(cache, recent_tokens=jnp.asarray(recent, jnp.int32))
+        return logits, with_mirror(cache, held + counts, recent)
+
+    def decode(self, cache: Cache, next_tokens, *, token_map=None):
+        """Appends one token per row: next_tokens [B] -> (logits [B, V] fp32, cache)."""
+        next_tokens = np.asarray(next_tokens)
+        if next_tokens.ndim != 1:
+            raise ValueError(f"next_tokens: shape {next_tokens.shape}: expected [batch]")
+        return self.prefill(cache, next_tokens[:, None], token_map=token_map)
+
+    def replay(self, cache: Cache, tokens_BR, counts_B, *, decoder_tokens: int, engram_ids_BRLC=None) -> Cache:
+        """SWA bounded replay (DESIGN §7): rebuilds the window rings of a cache whose global KV was restored.
+
+        Row b's last counts_B[b] cached tokens (left-aligned in tokens_BR [B, R]) run through the encoder,
+        the last min(counts_B[b], decoder_tokens) of them through the decoder, every window truncated to its
+        replayed span. The Full layers read the restored entries and never rewrite them; lengths and global
+        KV are unchanged. engram_ids_BRLC: the replayed tokens' Engram ids (their n-grams reach before the span).
+        """
+        view = host_view(cache)
+        out = _replay(self.key, None, self.treedef, self.leaves, cache, jnp.asarray(tokens_BR, jnp.int32),
+                      jnp.asarray(counts_B, jnp.int32), engram_ids_BRLC, int(decoder_tokens))
+        return with_mirror(out, view.lengths, view.recent_tokens)
+
+
+def bind(params, cfg) -> Bound:
+    """prefill / decode / replay bound to these parameters and this config (`Bound`): for loops of steps."""
+    return Bound(params, cfg)
+
+
+def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, final: bool = True):
+    """Appends tokens [B, S] (row b: its first lengths[b]) to the cache: (logits [B, V] fp32, cache). See
+    `Bound.prefill`; a loop of steps with the same parameters binds them once (`bind`)."""
+    return Bound(params, cfg).prefill(cache, tokens, lengths, token_map=token_map, final=final)
 
 
 def check_tokens(cfg, tokens, lengths, held_B, cap: int):
@@ -90,25 +135,14 @@ def check_tokens(cfg, tokens, lengths, held_B, cap: int):
 
 
 def decode(params, cfg, cache: Cache, next_tokens, *, token_map=None):
-    """Appends one token per row: next_tokens [B] -> (logits [B, V] fp32, cache)."""
-    next_tokens = np.asarray(next_tokens)
-    if next_tokens.ndim != 1:
-        raise ValueError(f"next_tokens: shape {next_tokens.shape}: expected [batch]")
-    return prefill(params, cfg, cache, next_tokens[:, None], token_map=token_map)
+    """Appends one token per row: next_tokens [B] -> (logits [B, V] fp32, cache) (`Bound.decode`)."""
+    return Bound(params, cfg).decode(cache, next_tokens, token_map=token_map)
 
 
 def replay(params, cfg, cache: Cache, tokens_BR, counts_B, *, decoder_tokens: int, engram_ids_BRLC=None) -> Cache:
-    """SWA bounded replay (DESIGN §7): rebuilds the window rings of a cache whose global KV was restored.
-
-    Row b's last counts_B[b] cached tokens (left-aligned in tokens_BR [B, R]) run through the encoder, the
-    last min(counts_B[b], decoder_tokens) of them through the decoder, every window truncated to its
-    replayed span. The Full layers read the restored entries and never rewrite them; lengths and global KV
-    are unchanged. engram_ids_BRLC: the replayed tokens' Engram ids (their n-grams reach before the span).
-    """
-    view = host_view(cache)
-    out = _replay(model_lib.config_key(cfg), None, params, cache, jnp.asarray(tokens_BR, jnp.int32),
-                  jnp.asarray(counts_B, jnp.int32), engram_ids_BRLC, int(decoder_tokens))
-    return with_mirror(out, view.lengths, view.recent_tokens)
+    """SWA bounded replay (DESIGN §7, `Bound.replay`): rebuilds the window rings of a restored cache."""
+    return Bound(params, cfg).replay(cache, tokens_BR, counts_B, decoder_tokens=decoder_tokens,
+                                     engram_ids_BRLC=engram_ids_BRLC)
 
 
 def lower(params, cfg, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC=None, *, replay: int | None = None,
@@ -117,9 +151,10 @@ def lower(params, cfg, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC=None, 
     arguments (arrays or `jax.ShapeDtypeStruct`s): every layer over the tokens (the `full` schedule and
     decode), or with `replay` the CED schedule replaying that many tokens through the decoder."""
     key = model_lib.config_key(cfg)
+    leaves, treedef = jax.tree.flatten(params)
     if replay is None:
-        return _step.lower(key, lowering, params, cache, tokens_BS, counts_B, engram_ids_BSLC)
-    return _ced.lower(key, lowering, params, cache, tokens_BS, counts_B, engram_ids_BSLC, replay)
+        return _step.lower(key, lowering, treedef, leaves, cache, tokens_BS, counts_B, engram_ids_BSLC)
+    return _ced.lower(key, lowering, treedef, leaves, cache, tokens_BS, counts_B, engram_ids_BSLC, replay)
 
 
 def engram_inputs(cfg, recent_BL, tokens, counts, held, token_map=None):
@@ -257,11 +292,26 @@ def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, eng
                                                                published, counts_B)
 
 
-_step = jax.jit(step_body, static_argnums=(0, 1), donate_argnums=3)
+# The jitted steps take the parameters as their leaves and (static) tree structure: a list of arrays is
+# flattened in C++, an nnx.State calls Python once per Variable (`Bound` flattens once).
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
+def _step(key, lowering, treedef, leaves, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
+    return step_body(key, lowering, jax.tree.unflatten(treedef, leaves), cache, tokens_BS, counts_B, engram_ids_BSLC)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 7), donate_argnums=3)
-def _ced(key, lowering, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC, replay: int):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 8), donate_argnums=4)
+def _ced(key, lowering, treedef, leaves, cache, tokens_BS, counts_B, engram_ids_BSLC, replay: int):
+    return ced_body(key, lowering, jax.tree.unflatten(treedef, leaves), cache, tokens_BS, counts_B, engram_ids_BSLC,
+                    replay)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 8), donate_argnums=4)
+def _replay(key, lowering, treedef, leaves, cache, tokens_BR, counts_B, engram_ids_BRLC, dec: int):
+    return replay_body(key, lowering, jax.tree.unflatten(treedef, leaves), cache, tokens_BR, counts_B,
+                       engram_ids_BRLC, dec)
+
+
+def ced_body(key, lowering, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC, replay: int):
     """The CED schedule (DESIGN §3.5): encoder + the decoder source's KV for every token; then the last
     `replay` tokens of each row through the decoder, with windows truncated to the replayed span."""
     model = nnx.merge(model_lib.graphdef(key, lowering), params)
@@ -306,8 +356,7 @@ def _restart(window_start_LB, layers, when_B, start_B):
     return window_start_LB.at[layers].set(jnp.where(when_B[None], start_B[None], window_start_LB[layers]))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 7), donate_argnums=3)
-def _replay(key, lowering, params, cache: Cache, tokens_BR, counts_B, engram_ids_BRLC, dec: int):
+def replay_body(key, lowering, params, cache: Cache, tokens_BR, counts_B, engram_ids_BRLC, dec: int):
     """Each row's last counts[b] restored tokens (left-aligned in tokens_BR) through the encoder, and the
     last min(counts[b], dec) of them through the decoder; every window truncated to its replayed span
     (window_start = the span's first position). Full layers read the restored entries and never write

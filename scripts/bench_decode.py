@@ -257,6 +257,12 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int, batch: 
             compile_breakdown_s={k.rsplit("/", 1)[1]: v for k, v in compile_events.items()})
     del cache, logits
 
+    # The steps bound once to the parameters and config, as a serving loop holds them (checkouts from
+    # before `dsv41.bind` run the free functions, which flatten the parameters every call).
+    bound = dsv41.bind(params, cfg) if hasattr(dsv41, "bind") else None
+    prefill = bound.prefill if bound else lambda *a, **k: dsv41.prefill(params, cfg, *a, **k)
+    decode = bound.decode if bound else lambda *a, **k: dsv41.decode(params, cfg, *a, **k)
+    partial(out, bound_steps=bound is not None)
     cache = dsv41.init_cache(cfg, batch, max_len)
     jax.block_until_ready(cache)
     partial(out, prefill_start_epoch=time.time())
@@ -267,8 +273,7 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int, batch: 
         if n < chunk:
             piece = np.pad(piece, [(0, 0), (0, chunk - n)])
         last = start + chunk >= ctx
-        logits, cache = dsv41.prefill(params, cfg, cache, piece, lengths=[n] * batch,
-                                      **({"final": last} if ced else {}))
+        logits, cache = prefill(cache, piece, lengths=[n] * batch, **({"final": last} if ced else {}))
         jax.block_until_ready(cache.lengths)
         partial(out, prefilled_tokens=start + n, prefill_elapsed_s=time.perf_counter() - t0)
     jax.block_until_ready((logits, cache))
@@ -279,7 +284,7 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int, batch: 
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        logits, cache = dsv41.decode(params, cfg, cache, nxt)
+        logits, cache = decode(cache, nxt)
         nxt = np.asarray(logits).argmax(-1)  # greedy: the host needs each token before the next step
         times.append(time.perf_counter() - t0)
         greedy.append(int(nxt[0]))

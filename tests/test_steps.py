@@ -58,6 +58,25 @@ def test_decode_after_prefill_matches_the_port(port):
     assert int(c.lengths[0]) == 203
 
 
+@pytest.mark.slow
+def test_bound_steps_match_the_port(port):
+    """`dsv41.bind`: the same steps with the parameters flattened and the config keyed once, against the
+    port's vectors; the bound config is its own copy (same key, another object)."""
+    from dsv41 import model
+    d, cfg, params, token_map = port
+    ids = d["input_ids"]
+    bound = dsv41.bind(params, cfg)
+    assert bound.cfg is not cfg and model.config_key(bound.cfg) == model.config_key(cfg)
+    c = cache_lib.init_cache(cfg, 1, 256)
+    logits, c = bound.prefill(c, ids[:, :195], token_map=token_map)
+    errors = [np.abs(np.asarray(logits)[0] - d["logits_prefill"][0, 194]).max()]
+    for k, pos in enumerate(d["decode_positions"]):
+        logits, c = bound.decode(c, ids[:, pos], token_map=token_map)
+        errors.append(np.abs(np.asarray(logits)[0] - d["logits_decode"][k]).max())
+    assert max(errors) < TOL, errors
+    assert c.mirror is not None and int(c.mirror.lengths[0]) == 203
+
+
 @contextlib.contextmanager
 def no_device_reads(monkeypatch):
     """Every read of a device array's value on the host raises inside: through `_value` (int(), .tolist(),
