@@ -108,13 +108,16 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerSt
         kv_vals, kv_scales = kv, jnp.zeros((b, s, 0), jnp.uint8)
     keep = valid_BS & (positions_BS >= new_len[:, None] - attn.window)
     slot = positions_BS % attn.window
-    written = ring.write("values", kv_vals, slot, keep).write("scales", kv_scales, slot, keep)
+
+    def write(ring):
+        return ring.write("values", kv_vals, slot, keep).write("scales", kv_scales, slot, keep)
 
     # Window keys. Decode (one new token): it takes the slot of the one position that leaves its window,
     # so the ring is written first and read once as it then is (reading the old ring beside the write made
     # XLA copy the whole ring for every layer). A chunk: the ring before it, then the new tokens.
     if s == 1:
-        win_vals, win_scales = written.get("values"), written.get("scales")
+        ring = write(ring)
+        win_vals, win_scales = ring.get("values"), ring.get("scales")
         key_pos = ring_positions(new_len, attn.window)
         key_ok = key_pos >= jnp.maximum(window_start_B, 0)[:, None]
         keys_w = (dequant_window(win_vals, win_scales) if quantised else win_vals).astype(kv.dtype)
@@ -127,8 +130,8 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerSt
         keys_w = jnp.concatenate([ring_keys, kv], axis=1)
         key_pos = jnp.concatenate([ring_pos, positions_BS], axis=1)
         key_ok = jnp.concatenate([ring_pos >= jnp.maximum(window_start_B, 0)[:, None], valid_BS], axis=1)
+        ring = write(ring)
     keys_w, mask_w = window_keys(keys_w, key_pos, key_ok, positions_BS, attn.window)
-    ring = written
 
     sel = sel_ok = shared = picks = handoff = None
     banded = keys_w.ndim == 4
