@@ -140,7 +140,7 @@ def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, p
 
 def _experts_dense(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, policy: Policy):
     """Every held expert over every token (the CPU decode form, module doc), weighted by the token's gate
-    for it: the sum of its picks' weights for that expert (0 where it picked it not; a pick of an expert held
+    for it: the sum of its picks' weights for that expert (0 for an expert it did not pick; a pick of one held
     elsewhere, idx == G, weighs nothing). Batched over the experts, so each weight is read as stored."""
     g = w1_GDI.shape[0]
     gate_GN = jnp.einsum("nk,nkg->gn", weights_Nk.astype(jnp.float32), jax.nn.one_hot(idx_Nk, g, dtype=jnp.float32))
