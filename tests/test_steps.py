@@ -45,36 +45,33 @@ def test_capacity_errors():
 
 
 @pytest.mark.slow
-def test_decode_after_prefill_matches_the_port(port):
+@pytest.mark.parametrize("calls", ["free", "bound"])
+def test_decode_after_prefill_matches_the_port(port, calls):
+    """The free steps and `dsv41.bind`'s (parameters flattened, config keyed once) against the port."""
     d, cfg, params, token_map = port
     ids = d["input_ids"]
+    run = dsv41.bind(params, cfg) if calls == "bound" else None
+    prefill = run.prefill if run else lambda *a, **k: steps.prefill(params, cfg, *a, **k)
+    decode = run.decode if run else lambda *a, **k: steps.decode(params, cfg, *a, **k)
     c = cache_lib.init_cache(cfg, 1, 256)
-    logits, c = steps.prefill(params, cfg, c, ids[:, :195], token_map=token_map)
+    logits, c = prefill(c, ids[:, :195], token_map=token_map)
     errors = [np.abs(np.asarray(logits)[0] - d["logits_prefill"][0, 194]).max()]
     for k, pos in enumerate(d["decode_positions"]):
-        logits, c = steps.decode(params, cfg, c, ids[:, pos], token_map=token_map)
+        logits, c = decode(c, ids[:, pos], token_map=token_map)
         errors.append(np.abs(np.asarray(logits)[0] - d["logits_decode"][k]).max())
     assert max(errors) < TOL, errors
     assert int(c.lengths[0]) == 203
 
 
-@pytest.mark.slow
-def test_bound_steps_match_the_port(port):
-    """`dsv41.bind`: the same steps with the parameters flattened and the config keyed once, against the
-    port's vectors; the bound config is its own copy (same key, another object)."""
-    from dsv41 import model
-    d, cfg, params, token_map = port
-    ids = d["input_ids"]
-    bound = dsv41.bind(params, cfg)
-    assert bound.cfg is not cfg and model.config_key(bound.cfg) == model.config_key(cfg)
-    c = cache_lib.init_cache(cfg, 1, 256)
-    logits, c = bound.prefill(c, ids[:, :195], token_map=token_map)
-    errors = [np.abs(np.asarray(logits)[0] - d["logits_prefill"][0, 194]).max()]
-    for k, pos in enumerate(d["decode_positions"]):
-        logits, c = bound.decode(c, ids[:, pos], token_map=token_map)
-        errors.append(np.abs(np.asarray(logits)[0] - d["logits_decode"][k]).max())
-    assert max(errors) < TOL, errors
-    assert c.mirror is not None and int(c.mirror.lengths[0]) == 203
+def test_a_bound_config_does_not_follow_later_changes():
+    """`bind` keeps its own config: a field changed on the caller's config afterwards does not reach it."""
+    from dsv41 import config, model
+    cfg = config.build(dsv41.load_config("tiny").to_dict())
+    bound = steps.Bound({"w": jnp.zeros(2)}, cfg)
+    before = model.config_key(cfg)
+    cfg.runtime.kernels = "reference" if cfg.runtime.kernels != "reference" else "auto"
+    assert bound.key == before == model.config_key(bound.cfg) != model.config_key(cfg)
+    assert bound.cfg.runtime.kernels != cfg.runtime.kernels
 
 
 @contextlib.contextmanager

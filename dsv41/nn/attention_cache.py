@@ -144,7 +144,7 @@ def attention_step(attn, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerSt
             sel, sel_ok = sel.astype(kv.dtype), picks >= 0
     if sel is not None or shared is not None or not quantised or kernel_impl(attn) == "reference" or banded:
         out = attend_step(q, keys_w, mask_w, sel, sel_ok, attn.attn_sink[...], attn.head_dim ** -0.5, shared)
-    else:  # the Pallas kernel reads the bytes themselves: [ring | new tokens] and the picked entries
+    else:  # the Pallas kernel reads the window's bytes themselves (above) and the picked entries
         out = _attend_kernel(attn, q, win_vals, win_scales, mask_w, picks, stores)
     return attn.output(out, positions_BS), (ring, stores, handoff)
 
@@ -283,13 +283,12 @@ def _attend_kernel(attn, q_BSHK, values_BTK, scales_BTX, mask_w, picks_BSk, stor
     [B, T, ·]: the ring, then a chunk's new tokens; `mask_w` [B, S, T] says which each query sees) and the
     picked entries read from the layer's packed store (a window-only layer passes no picks)."""
     b, s, _, k = q_BSHK.shape
-    values, scales = values_BTK, scales_BTX
     if picks_BSk is None:
         entries, entry_scales = jnp.zeros((b, 1, k // 2), jnp.uint8), jnp.zeros((b, 1, k // 16), jnp.uint8)
         picks_BSk = jnp.full((b, s, 1), -1, jnp.int32)
     else:
         store = stores[attn.record.kv_source]
         entries, entry_scales = store.get("entries"), store.get("entry_scales")
-    return dispatch.sparse_attention_chunk(q_BSHK, values, scales, mask_w, entries, entry_scales, picks_BSk,
+    return dispatch.sparse_attention_chunk(q_BSHK, values_BTK, scales_BTX, mask_w, entries, entry_scales, picks_BSk,
                                            attn.attn_sink[...], attn.head_dim ** -0.5, mode=kernel_impl(attn),
                                            layout=attn.policy.lowering.layout)
