@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Where a decode step's time goes: `bench_decode.py`'s `dsv41-v4` model (transformers' toy V4 at width
-128, 6 layers, converted) prefilled to a context, then N greedy decode steps under `jax.profiler`.
+128, 6 layers, converted) prefilled to a context, then N greedy decode steps under `jax.profiler`
+(`--prefill`: the prefill itself, chunk by chunk, after a warm-up on a throwaway cache).
 
 Prints the step's wall time split into the host's part (Python, argument handling, dispatch: the time
 `dsv41.decode` takes to return before the result is ready) and the device's, then the XLA operations
@@ -10,6 +11,7 @@ side by side.
 
     python scripts/profile_decode.py --context 2K --batch 8
     python scripts/profile_decode.py --context 8K --batch 1 --steps 50 --top 30
+    python scripts/profile_decode.py --prefill --context 8K --batch 1 --chunk 1024
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (default 512)")
     p.add_argument("--top", type=int, default=25, help="operations listed (default 25)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill", action="store_true",
+                   help="profile the prompt's prefill chunks instead of decode steps (per chunk)")
     args = p.parse_args(argv)
     if args.batch < 1 or args.steps < 1 or args.chunk < 1:
         p.error(f"--batch {args.batch}, --steps {args.steps}, --chunk {args.chunk}: expected positive integers")
@@ -68,35 +72,51 @@ def main(argv=None) -> int:
     step = math.lcm(*sorted({r.ratio for r in layer_plan(cfg) if r.ratio}))
     max_len = -(-(ctx + 2 * args.steps + 2) // step) * step
     tokens = bench_decode.prompt(args.seed, cfg.architecture.vocab_size, ctx, args.batch)
-    cache = dsv41.init_cache(cfg, args.batch, max_len)
     chunk = min(args.chunk, ctx)
-    for start in range(0, ctx, chunk):
-        piece = tokens[:, start:start + chunk]
-        n = piece.shape[1]
-        logits, cache = dsv41.prefill(params, cfg, cache, np.pad(piece, [(0, 0), (0, chunk - n)]),
-                                      lengths=[n] * args.batch)
-    nxt = np.asarray(logits).argmax(-1)
     bound = dsv41.bind(params, cfg)  # as a serving loop holds them: the parameters flattened once
-    for _ in range(3):  # compile and warm up
-        logits, cache = bound.decode(cache, nxt)
-        nxt = np.asarray(logits).argmax(-1)
 
-    host, total = [], []
-    for _ in range(args.steps):  # unprofiled: the step's host part (until decode returns) and its whole time
+    def prefill_all():
+        cache = dsv41.init_cache(cfg, args.batch, max_len)
+        for start in range(0, ctx, chunk):
+            piece = tokens[:, start:start + chunk]
+            n = piece.shape[1]
+            logits, cache = bound.prefill(cache, np.pad(piece, [(0, 0), (0, chunk - n)]), lengths=[n] * args.batch)
+        return jax.block_until_ready(logits), cache
+
+    logits, cache = prefill_all()  # compiles (and is the decode steps' context)
+    if args.prefill:
+        units, what = -(-ctx // chunk), f"prefill chunk of {chunk}"
         t0 = time.perf_counter()
-        logits, cache = bound.decode(cache, nxt)
-        t1 = time.perf_counter()
+        prefill_all()
+        total = host = [(time.perf_counter() - t0) / units]
+        with tempfile.TemporaryDirectory() as d:
+            jax.profiler.start_trace(d)
+            prefill_all()
+            jax.profiler.stop_trace()
+            events = trace_events(Path(d))
+    else:
+        units, what = args.steps, "step"
         nxt = np.asarray(logits).argmax(-1)
-        host.append(t1 - t0)
-        total.append(time.perf_counter() - t0)
-
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        for _ in range(args.steps):
+        for _ in range(3):  # compile and warm up
             logits, cache = bound.decode(cache, nxt)
             nxt = np.asarray(logits).argmax(-1)
-        jax.profiler.stop_trace()
-        events = trace_events(Path(d))
+
+        host, total = [], []
+        for _ in range(args.steps):  # unprofiled: the step's host part (until decode returns) and its whole time
+            t0 = time.perf_counter()
+            logits, cache = bound.decode(cache, nxt)
+            t1 = time.perf_counter()
+            nxt = np.asarray(logits).argmax(-1)
+            host.append(t1 - t0)
+            total.append(time.perf_counter() - t0)
+
+        with tempfile.TemporaryDirectory() as d:
+            jax.profiler.start_trace(d)
+            for _ in range(args.steps):
+                logits, cache = bound.decode(cache, nxt)
+                nxt = np.asarray(logits).argmax(-1)
+            jax.profiler.stop_trace()
+            events = trace_events(Path(d))
 
     per_op = collections.defaultdict(float)
     count = collections.Counter()
@@ -120,18 +140,22 @@ def main(argv=None) -> int:
         kinds[kind] += ms
         kind_count[kind] += count[name]
     med = float(np.median(total)) * 1e3
-    print(f"dsv41-v4 decode, batch {args.batch}, context {bench_decode.fmt_context(ctx)} (capacity {max_len}), "
-          f"{args.steps} steps; load average {load_average():.2f} on {os.cpu_count()} cores")
-    print(f"step: median {med:.2f} ms ({args.batch / med * 1e3:.0f} tokens/s); until decode returns "
-          f"(host: Python, checks, dispatch) median {float(np.median(host)) * 1e3:.2f} ms")
-    print("\nXLA operations by kind, ms per step (a loop counts its body's operations again):")
+    kind = f"prefill chunks of {chunk}" if args.prefill else f"decode, {args.steps} steps"
+    print(f"dsv41-v4 {kind}, batch {args.batch}, context {bench_decode.fmt_context(ctx)} (capacity {max_len}); "
+          f"load average {load_average():.2f} on {os.cpu_count()} cores")
+    if args.prefill:
+        print(f"{what}: {med:.1f} ms on average ({args.batch * chunk / med * 1e3:.0f} tokens/s)")
+    else:
+        print(f"step: median {med:.2f} ms ({args.batch / med * 1e3:.0f} tokens/s); until decode returns "
+              f"(host: Python, checks, dispatch) median {float(np.median(host)) * 1e3:.2f} ms")
+    print(f"\nXLA operations by kind, ms per {what} (a loop counts its body's operations again):")
     for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1])[:12]:
-        print(f"  {kind:<24} {ms / args.steps:8.3f}  x{kind_count[kind] / args.steps:.0f}")
-    print(f"\nprofiled events, ms per step (sum over all threads; nested events counted in each):")
+        print(f"  {kind:<24} {ms / units:8.3f}  x{kind_count[kind] / units:.0f}")
+    print(f"\nprofiled events, ms per {what} (sum over all threads; nested events counted in each):")
     width = max((len(n) for n in per_op), default=10)
     width = min(width, 90)
     for name, ms in sorted(per_op.items(), key=lambda kv: -kv[1])[:args.top]:
-        print(f"  {name[:width]:<{width}}  {ms / args.steps:8.3f}  x{count[name] / args.steps:.0f}")
+        print(f"  {name[:width]:<{width}}  {ms / units:8.3f}  x{count[name] / units:.0f}")
     return 0
 
 

@@ -78,41 +78,49 @@ def attend_step(q_BSHK, keys_w, mask_w, sel_BSkK, sel_ok_BSk, sink_H, scale: flo
     """One softmax with the sink over the window keys (shared by the chunk, or banded blocks from
     `window_keys`), each query's own selected entries and, when given, `shared` = (keys [B, T, K],
     mask [B, S, T]) that every query of the row may see (a V4 HCA layer's entries); a row with nothing
-    valid gives 0."""
+    valid gives 0.
+
+    Every part keeps the queries' layout [B, S, H, ·] (banded: [B, n, W, H, 2W]), so each einsum is a
+    plain batched matmul with no transposes, and the parts share one max and one denominator instead of
+    being concatenated."""
     b, s, h, k = q_BSHK.shape
     banded = keys_w.ndim == 4
     if banded:
         nb, span = keys_w.shape[1], keys_w.shape[2]
-        qb = jnp.pad(q_BSHK, [(0, 0), (0, nb * (span // 2) - s), (0, 0), (0, 0)]).reshape(b, nb, span // 2, h, k)
-        logits = jnp.einsum("bnqhk,bntk->bhnqt", qb, keys_w, preferred_element_type=jnp.float32, precision=HI)
-        logits = logits.reshape(b, h, nb * (span // 2), span)[:, :, :s] * scale
-        mask_BST = mask_w[:, :s]
+        padded = nb * (span // 2)
+        qb = jnp.pad(q_BSHK, [(0, 0), (0, padded - s), (0, 0), (0, 0)]).reshape(b, nb, span // 2, h, k)
+        lw = jnp.einsum("bnqhk,bntk->bnqht", qb, keys_w, preferred_element_type=jnp.float32, precision=HI)
+        lw = lw.reshape(b, padded, h, span)
+        mask_w = jnp.pad(mask_w[:, :s], [(0, 0), (0, padded - s), (0, 0)])
     else:
-        logits = jnp.einsum("bshk,btk->bhst", q_BSHK, keys_w, preferred_element_type=jnp.float32, precision=HI) * scale
-        mask_BST = mask_w
-    parts = [jnp.where(mask_BST[:, None], logits, NEG_INF)]
+        lw = jnp.einsum("bshk,btk->bsht", q_BSHK, keys_w, preferred_element_type=jnp.float32, precision=HI)
+
+    def pad(x):  # [B, S, ...] -> [B, padded, ...] (banded), for the parts that meet the window's logits
+        return jnp.pad(x, [(0, 0), (0, lw.shape[1] - s)] + [(0, 0)] * (x.ndim - 2))
+
+    parts = [(jnp.where(mask_w[:, :, None], lw * scale, NEG_INF), None)]
     if sel_BSkK is not None:
-        lc = jnp.einsum("bshk,bsjk->bhsj", q_BSHK, sel_BSkK, preferred_element_type=jnp.float32, precision=HI) * scale
-        parts.append(jnp.where(sel_ok_BSk[:, None], lc, NEG_INF))
+        lc = jnp.einsum("bshk,bsjk->bshj", q_BSHK, sel_BSkK, preferred_element_type=jnp.float32, precision=HI)
+        parts.append((pad(jnp.where(sel_ok_BSk[:, :, None], lc * scale, NEG_INF)), sel_BSkK))
     if shared is not None:
         keys_s, mask_s = shared
-        ls = jnp.einsum("bshk,btk->bhst", q_BSHK, keys_s, preferred_element_type=jnp.float32, precision=HI) * scale
-        parts.append(jnp.where(mask_s[:, None], ls, NEG_INF))
-    sink = jnp.broadcast_to(sink_H.astype(jnp.float32)[None, :, None, None], (*logits.shape[:-1], 1))
-    combined = jnp.concatenate(parts + [sink], axis=-1)
-    combined = combined - jnp.max(combined, axis=-1, keepdims=True)
-    probs = jax.nn.softmax(combined, axis=-1)
-    t = logits.shape[-1]
+        ls = jnp.einsum("bshk,btk->bsht", q_BSHK, keys_s, preferred_element_type=jnp.float32, precision=HI)
+        parts.append((pad(jnp.where(mask_s[:, :, None], ls * scale, NEG_INF)), keys_s))
+    sink = sink_H.astype(jnp.float32)
+    top = sink
+    for logits, _ in parts:
+        top = jnp.maximum(top, jnp.max(logits, axis=-1))
+    top = jax.lax.stop_gradient(top)[..., None]                       # [B, S', H, 1]
+    exps = [jnp.exp(logits - top) for logits, _ in parts]
+    denominator = jnp.exp(sink[:, None] - top) + sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
+    probs = [e / denominator for e in exps]
     if banded:
-        p = jnp.pad(probs[..., :t], [(0, 0), (0, 0), (0, nb * (span // 2) - s), (0, 0)])
-        p = p.reshape(b, h, nb, span // 2, span).astype(keys_w.dtype)
-        out = jnp.einsum("bhnqt,bntk->bnqhk", p, keys_w, precision=HI).reshape(b, nb * (span // 2), h, k)[:, :s]
+        p = probs[0].reshape(b, nb, span // 2, h, span).astype(keys_w.dtype)
+        out = jnp.einsum("bnqht,bntk->bnqhk", p, keys_w, precision=HI).reshape(b, padded, h, k)
     else:
-        out = jnp.einsum("bhst,btk->bshk", probs[..., :t].astype(keys_w.dtype), keys_w, precision=HI)
-    if sel_BSkK is not None:
-        k = sel_BSkK.shape[2]
-        out = out + jnp.einsum("bhsj,bsjk->bshk", probs[..., t:t + k].astype(sel_BSkK.dtype), sel_BSkK, precision=HI)
-        t += k
-    if shared is not None:
-        out = out + jnp.einsum("bhst,btk->bshk", probs[..., t:-1].astype(keys_s.dtype), keys_s, precision=HI)
-    return out
+        out = jnp.einsum("bsht,btk->bshk", probs[0].astype(keys_w.dtype), keys_w, precision=HI)
+    for p, (_, values) in zip(probs[1:], parts[1:]):
+        p = p[:, :s].astype(values.dtype)
+        out = out[:, :s] + (jnp.einsum("bshj,bsjk->bshk", p, values, precision=HI) if values.ndim == 4
+                            else jnp.einsum("bsht,btk->bshk", p, values, precision=HI))
+    return out[:, :s]
