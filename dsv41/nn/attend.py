@@ -98,20 +98,21 @@ def attend_step(q_BSHK, keys_w, mask_w, sel_BSkK, sel_ok_BSk, sink_H, scale: flo
     def pad(x):  # [B, S, ...] -> [B, padded, ...] (banded), for the parts that meet the window's logits
         return jnp.pad(x, [(0, 0), (0, lw.shape[1] - s)] + [(0, 0)] * (x.ndim - 2))
 
-    parts = [(jnp.where(mask_w[:, :, None], lw * scale, NEG_INF), None)]
+    # (logits [B, S', H, ·], the values they weigh, the einsum that weighs them); the window's first.
+    parts = [(jnp.where(mask_w[:, :, None], lw * scale, NEG_INF), keys_w, None)]
     if sel_BSkK is not None:
         lc = jnp.einsum("bshk,bsjk->bshj", q_BSHK, sel_BSkK, preferred_element_type=jnp.float32, precision=HI)
-        parts.append((pad(jnp.where(sel_ok_BSk[:, :, None], lc * scale, NEG_INF)), sel_BSkK))
+        parts.append((pad(jnp.where(sel_ok_BSk[:, :, None], lc * scale, NEG_INF)), sel_BSkK, "bshj,bsjk->bshk"))
     if shared is not None:
         keys_s, mask_s = shared
         ls = jnp.einsum("bshk,btk->bsht", q_BSHK, keys_s, preferred_element_type=jnp.float32, precision=HI)
-        parts.append((pad(jnp.where(mask_s[:, :, None], ls * scale, NEG_INF)), keys_s))
+        parts.append((pad(jnp.where(mask_s[:, :, None], ls * scale, NEG_INF)), keys_s, "bsht,btk->bshk"))
     sink = sink_H.astype(jnp.float32)
     top = sink
-    for logits, _ in parts:
+    for logits, _, _ in parts:
         top = jnp.maximum(top, jnp.max(logits, axis=-1))
     top = jax.lax.stop_gradient(top)[..., None]                       # [B, S', H, 1]
-    exps = [jnp.exp(logits - top) for logits, _ in parts]
+    exps = [jnp.exp(logits - top) for logits, _, _ in parts]
     denominator = jnp.exp(sink[:, None] - top) + sum(jnp.sum(e, axis=-1, keepdims=True) for e in exps)
     probs = [e / denominator for e in exps]
     if banded:
@@ -119,8 +120,7 @@ def attend_step(q_BSHK, keys_w, mask_w, sel_BSkK, sel_ok_BSk, sink_H, scale: flo
         out = jnp.einsum("bnqht,bntk->bnqhk", p, keys_w, precision=HI).reshape(b, padded, h, k)
     else:
         out = jnp.einsum("bsht,btk->bshk", probs[0].astype(keys_w.dtype), keys_w, precision=HI)
-    for p, (_, values) in zip(probs[1:], parts[1:]):
-        p = p[:, :s].astype(values.dtype)
-        out = out[:, :s] + (jnp.einsum("bshj,bsjk->bshk", p, values, precision=HI) if values.ndim == 4
-                            else jnp.einsum("bsht,btk->bshk", p, values, precision=HI))
-    return out[:, :s]
+    out = out[:, :s]
+    for p, (_, values, spec) in zip(probs[1:], parts[1:]):
+        out = out + jnp.einsum(spec, p[:, :s].astype(values.dtype), values, precision=HI)
+    return out
