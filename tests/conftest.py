@@ -15,6 +15,49 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
 
 
+_COMPILE_CACHE = {"dir": None, "hits": 0, "saved_s": 0.0}
+
+
+def pytest_configure(config):
+    """One persistent compilation cache for the session (JAX's own, as the CLI uses it): the modules
+    compile many of the same programs (tiny's prefill and decode steps at the same shapes), and the
+    in-memory cache is cleared after each module (below). A program loaded from it is the one XLA
+    compiled for the same HLO, flags and devices. `DSV41_TEST_COMPILE_CACHE=off` turns it off."""
+    if os.environ.get("DSV41_TEST_COMPILE_CACHE", "").lower() == "off":
+        return
+    import tempfile
+
+    from jax import monitoring
+
+    from dsv41 import compile_cache
+
+    _COMPILE_CACHE["dir"] = compile_cache.enable(tempfile.mkdtemp(prefix="dsv41-tests-jax-cache-"))
+
+    def count(event, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            _COMPILE_CACHE["hits"] += 1
+
+    def saved(event, seconds, **_):
+        if event == "/jax/compilation_cache/compile_time_saved_sec":
+            _COMPILE_CACHE["saved_s"] += seconds
+
+    monitoring.register_event_listener(count)
+    monitoring.register_event_duration_secs_listener(saved)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _COMPILE_CACHE["dir"] is not None:
+        terminalreporter.write_line(f"compilation cache: {_COMPILE_CACHE['hits']} programs loaded instead of "
+                                    f"compiled, {_COMPILE_CACHE['saved_s']:.0f} s of compiling saved")
+
+
+def pytest_unconfigure(config):
+    if _COMPILE_CACHE["dir"] is not None:
+        import shutil
+
+        shutil.rmtree(_COMPILE_CACHE["dir"], ignore_errors=True)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
     """Frees every compiled program after each test module. The whole suite in one process kept them all
