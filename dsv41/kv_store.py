@@ -4,7 +4,7 @@ A store is a [B, T, ...] leaf of `cache.Cache`: the FP8 window ring (slot p % W 
 layer's FP4 entries with their E4M3 scale bytes and its MXFP4 indexer keys with their UE8M0 scale bytes,
 the one-byte codes kept as uint8 (`quant.to_bytes`). The float cache (`quant: none`, V4 compat) holds the
 values themselves, which the dequantisers pass through. Plain JAX over `dsv41.quant`: the cached attention
-step (`nn.attention_cache`) and the kernels' references (`dsv41.kernels`) read the stores through these.
+step (`nn.attention.Attention.step`) and the kernels' references (`dsv41.kernels`) read the stores through these.
 """
 
 from __future__ import annotations

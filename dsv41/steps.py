@@ -25,7 +25,6 @@ from dsv41.kv_store import LayerStore
 from dsv41.errors import ConfigError
 from dsv41.plan import layer_plan
 from dsv41.nn import mhc
-from dsv41.nn.attention_cache import write_entries
 
 
 def capacity(cfg, cache: Cache, plan=None) -> int:
@@ -329,8 +328,8 @@ def ced_body(key, lowering, params, cache: Cache, tokens_BS, counts_B, engram_id
     block = model.layer(source)
     k, g = store_of(cfg, source)
     compressed = state.compressed
-    store = write_entries(block.attn, block.attn_norm(mhc.collapse(state.x, state.pre)), cache.lengths, counts_B,
-                          LayerStore(vars(compressed[k]).copy(), g))
+    store = block.attn.write_entries(block.attn_norm(mhc.collapse(state.x, state.pre)), cache.lengths, counts_B,
+                                     LayerStore(vars(compressed[k]).copy(), g))
     state = state.replace(compressed=(*compressed[:k], CompressedKV(**store.leaves), *compressed[k + 1:]))
     new_len = cache.lengths + counts_B
     if not replay:

@@ -66,7 +66,7 @@ def scores_and_pool(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_B
 
 def scores_and_pool_reference(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio: int, *,
                               top_k: int, max_blocks: int, block: int):
-    """`attention_cache._select` at the candidate source: full scores, `candidate_block_ids`, `top_k_indices`."""
+    """`Attention._select_cached` at the candidate source: full scores, `candidate_block_ids`, `top_k_indices`."""
     scores = isc.indexer_scores_reference(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio)
     pool = ix.candidate_block_ids(scores, (positions_BS + 1) // ratio, max_blocks, block)
     return ix.top_k_indices(scores, top_k), pool

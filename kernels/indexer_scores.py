@@ -3,7 +3,7 @@
     I[b, s, t] = Σ_j w[b, s, j]·J^-½ · relu(q[b, s, j] · k[b, t]) · dI^-½,   −inf unless t < (p + 1) // ratio
 
 with k read from the cache's bytes (`CompressedKV.index_keys` uint8 [B, T, dI/2], `index_scales` uint8
-[B, T, dI/32]); `indexer_scores_reference` is the plain-JAX path of `attention_cache._select`.
+[B, T, dI/32]); `indexer_scores_reference` is the plain-JAX path of `Attention._select_cached`.
 
 How the kernels read the store:
 - Byte i of a key holds elements 2i (low nibble) and 2i+1 (high nibble), both under UE8M0 scale i // 16.
@@ -325,7 +325,7 @@ def indexer_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS,
 
 
 def indexer_scores_reference(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio: int):
-    """The plain-JAX path of `attention_cache._select`: dequantise the whole store, `lightning_scores`."""
+    """The plain-JAX path of `Attention._select_cached`: dequantise the whole store, `lightning_scores`."""
     check_store(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc)
     keys = kv_store.dequant_keys(index_keys_BTh, index_scales_BTc)
     visible = ix.visible_entries(positions_BS, ratio, index_keys_BTh.shape[1])

@@ -2,7 +2,7 @@
 and, for V4's HCA layers, entries every query of the row may see, with a per-head sink in the
 denominator; and `Handoff`, what a layer hands the later layers that read it.
 
-The teacher-forced layers (`attention.Attention`), the cached step (`attention_cache`) and the Pallas
+The teacher-forced layers (`attention.Attention`), the cached step (`Attention.step`) and the Pallas
 kernels' references (`dsv41.kernels`) all call `attend_step`; it depends on JAX alone.
 """
 

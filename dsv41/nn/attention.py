@@ -1,26 +1,42 @@
-"""The attention layer of every V4.1 layer (DESIGN §3.2), full-sequence form.
+"""The attention layer of every V4.1 layer (DESIGN §3.2–§3.4), one mechanism with two ways in.
 
 qr = q_norm(wq_a x); q = rope(wq_b qr) [B,S,H,K]; kv = fp8(rope(kv_norm(wkv x))) [B,S,K], the single
 shared latent used as key and value. One softmax with a per-head sink (denominator only) runs over
 the window keys (t-window+1 … t) and the entries selected for the query; the output's RoPE dims are
 rotated back at the query position, then projected by the grouped wo_a (block-diagonal over
 o_groups) and wo_b. Full layers own a compressor (and indexer keys); Full and Reindex layers own an
-indexer query; Reuse layers read what their sources hand on (`attend.Handoff`). `step` runs the same
-layer over the inference cache (`attention_cache`). V4 (compat): `attention_v4.AttentionV4`, the same
-interface with its own compressed branch, and the per-head query RMSNorm V4 had
-(`architecture.q_head_norm`).
+indexer query; Reuse layers read what their sources hand on (`attend.Handoff`).
+
+`step(x, …, ring, stores) -> (y, (ring, stores, handoff))` is the layer over the inference cache, S new
+tokens per row, reading and writing the stored formats: the FP8 window ring holds the last `window`
+tokens of the layer; a Full layer folds its compressor's unfinished group (the compressor's state)
+into the new tokens, writes the completed entries (FP4 + E4M3 per 16) and indexer keys (MXFP4) into
+its store and scores the queries against every visible key (the filled tiles only); a Reindex layer
+scores only the keys of the candidate pool, gathered from the store, so its cost per query does not
+grow with the context. Rows may hold different lengths and bring different numbers of new tokens
+(`valid_BS`). The float cache (`quant: none`, and V4 compat) stores the values themselves and runs the
+XLA reference paths (the Pallas kernels read the packed bytes). `__call__` is the same layer over a
+whole sequence with every key in view at once (the window and the selection as masks: the
+teacher-forced forward and training), through the same projections, compressor, indexer scoring,
+`attend_step` and output path.
+
+V4 (compat): `attention_v4.AttentionV4`, the same interface with its own compressed branch, and the
+per-head query RMSNorm V4 had (`architecture.q_head_norm`).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from dsv41 import quant
-from dsv41.nn import attention_cache
+from dsv41.kernels import dispatch
+from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, packed, ring_positions
 from dsv41.nn import indexer as ix
-from dsv41.nn.attend import NEG_INF, Handoff, attend_step, window_mask
+from dsv41.nn.attend import NEG_INF, Handoff, attend_step, window_keys, window_mask
+from dsv41.nn.indexer import pool_gather_scores
 from dsv41.nn.compressor import Compressor
 from dsv41.nn.linear import Dense, param
 from dsv41.nn.norm import RMSNorm, rms_normalize
@@ -153,15 +169,203 @@ class Attention(nnx.Module):
         return Handoff(entries=entries, index_keys=index_keys, picks=picks,
                        selected=ix.indices_to_mask(picks, num_entries), pool=pool)
 
-    def step(self, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_start_B, published: dict, stores: dict,
-             entries_ready: bool = False):
-        """The layer over the inference cache, S new tokens per row: (y [B, S, D], (ring, stores, handoff))
-        (`attention_cache.attention_step`, whose docstring has the arguments)."""
-        return attention_cache.attention_step(self, x_BSD, positions_BS, valid_BS, lengths_B, ring, window_start_B,
-                                              published, stores, entries_ready)
+    def step(self, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerStore, window_start_B,
+             published: dict, stores: dict, entries_ready: bool = False):
+        """One layer over the cache. `ring`: this layer's window ring, leaves "values" [B,W,K] and "scales"
+        [B,W,K/32] (`kv_store.LayerStore`), holding positions >= window_start (FP8 bytes; the float cache:
+        floats and no scales); `stores` maps the layers that own a compressor (as the layer's record names
+        them) to their `LayerStore` of `CompressedKV` leaves; published: {layer: Handoff} of the layers before
+        it; `entries_ready`: the compressor already wrote these tokens' entries (a CED replay).
+        Returns (y [B,S,D], (ring, stores, handoff)): the new ring, `stores` with this layer's store updated
+        (a new dict), and what it hands on (its picks and pool ids) or None."""
+        rec = self.record
+        b, s, _ = x_BSD.shape
+        counts = valid_BS.sum(-1).astype(jnp.int32)
+        new_len = lengths_B + counts
+        qr, q, kv = self.project(x_BSD, positions_BS)
+        quantised = packed(ring.leaves["values"])
+        if quantised:  # the FP8 ring (V4.1)
+            kv_vals, kv_scales = quant.quantize_fp8_ue8m0_32(kv)
+            kv = quant.dequantize_fp8_ue8m0_32(kv_vals, kv_scales).astype(x_BSD.dtype)
+            kv_vals, kv_scales = quant.to_bytes(kv_vals), quant.to_bytes(kv_scales)
+        else:
+            kv_vals, kv_scales = kv, jnp.zeros((b, s, 0), jnp.uint8)
+        keep = valid_BS & (positions_BS >= new_len[:, None] - self.window)
+        slot = positions_BS % self.window
+
+        def write(ring):
+            return ring.write("values", kv_vals, slot, keep).write("scales", kv_scales, slot, keep)
+
+        # Window keys. Decode (one new token): it takes the slot of the one position that leaves its window,
+        # so the ring is written first and read once as it then is (reading the old ring beside the write made
+        # XLA copy the whole ring for every layer). A chunk: the ring before it, then the new tokens.
+        if s == 1:
+            ring = write(ring)
+            win_vals, win_scales = ring.get("values"), ring.get("scales")
+            key_pos = ring_positions(new_len, self.window)
+            key_ok = key_pos >= jnp.maximum(window_start_B, 0)[:, None]
+            keys_w = (dequant_window(win_vals, win_scales) if quantised else win_vals).astype(kv.dtype)
+        else:
+            ring_vals, ring_scales = ring.get("values"), ring.get("scales")
+            ring_keys = (dequant_window(ring_vals, ring_scales) if quantised else ring_vals).astype(kv.dtype)
+            ring_pos = ring_positions(lengths_B, self.window)
+            win_vals = jnp.concatenate([ring_vals, kv_vals], axis=1)
+            win_scales = jnp.concatenate([ring_scales, kv_scales], axis=1)
+            keys_w = jnp.concatenate([ring_keys, kv], axis=1)
+            key_pos = jnp.concatenate([ring_pos, positions_BS], axis=1)
+            key_ok = jnp.concatenate([ring_pos >= jnp.maximum(window_start_B, 0)[:, None], valid_BS], axis=1)
+            ring = write(ring)
+        keys_w, mask_w = window_keys(keys_w, key_pos, key_ok, positions_BS, self.window)
+
+        sel = sel_ok = shared = picks = handoff = None
+        banded = keys_w.ndim == 4
+        if rec.ratio:  # the compressed branch: the layer's own (V4.1 below, V4 `attention_v4`)
+            (sel, sel_ok, shared, picks), stores, handoff = self.cached_compressed(
+                x_BSD, qr, positions_BS, lengths_B, counts, published, stores, entries_ready)
+            if picks is not None and (not quantised or self.kernel_impl() == "reference" or banded):
+                store = stores[rec.kv_source]
+                sel = dequant_entries(store.gather("entries", picks), store.gather("entry_scales", picks))
+                sel, sel_ok = sel.astype(kv.dtype), picks >= 0
+        if sel is not None or shared is not None or not quantised or self.kernel_impl() == "reference" or banded:
+            out = attend_step(q, keys_w, mask_w, sel, sel_ok, self.attn_sink[...], self.head_dim ** -0.5, shared)
+        else:  # the Pallas kernel reads the window's bytes themselves (above) and the picked entries
+            out = self._attend_kernel(q, win_vals, win_scales, mask_w, picks, stores)
+        return self.output(out, positions_BS), (ring, stores, handoff)
 
     def cached_compressed(self, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, published, stores,
                           entries_ready=False):
-        """`step`'s compressed branch (`attention_cache.compressed_v41`; V4 compat has its own)."""
-        return attention_cache.compressed_v41(self, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, published,
-                                              stores, entries_ready)
+        """`step`'s compressed branch (V4.1; V4 compat has its own): a Full layer writes
+        its new entries and indexer keys, an index source picks. Returns ((None, None, None, picks [B,S,k]),
+        stores, handoff): the entries to attend are the picks of the layer's index source, read from the
+        store of its kv source."""
+        stores, handoff = self._publish_cached(x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, published, stores,
+                                               entries_ready)
+        picks = (handoff if handoff is not None else published[self.record.index_source]).picks
+        return (None, None, None, picks), stores, handoff
+
+    def _publish_cached(self, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, published, stores, entries_ready=False):
+        """(stores with a Full layer's new entries written, the Handoff of an index source or None)."""
+        rec = self.record
+        if rec.stores_entries and not entries_ready:
+            stores = {**stores, rec.index: self.write_entries(x_BSD, lengths_B, counts_B, stores[rec.index])}
+        if self.indexer is None:
+            return stores, None
+        return stores, self._select_cached(x_BSD, qr_BSQ, positions_BS, published, stores[rec.kv_source])
+
+    def write_entries(self, x_BSD, lengths_B, counts_B, store: LayerStore) -> LayerStore:
+        """A Full layer's compressor over the new tokens: its store with the completed entries and indexer
+        keys written."""
+        rec = self.record
+        cinv = np.asarray(self.compressed_inv_freq, np.float32)
+        latent, entry, done, leftover = self.compressor.step(x_BSD, lengths_B, counts_B, store.get("leftover"))
+        pos = rec.ratio * entry
+        entries, keys = apply_rope(latent, pos, cinv), self.indexer.keys(latent, pos, cinv, fake_quant=False)
+        store = store.put("leftover", leftover)
+        if not packed(store.leaves["entries"]):  # the float cache: the values themselves, no scales
+            return store.write("entries", entries, entry, done).write("index_keys", keys, entry, done)
+        vals, scales = quant.quantize_fp4_e4m3_16(entries)
+        kvals, kscales = quant.quantize_mxfp4(keys)
+        return (store.write("entries", quant.pack_fp4(vals), entry, done)
+                .write("entry_scales", quant.to_bytes(scales), entry, done)
+                .write("index_keys", quant.pack_fp4(kvals), entry, done)
+                .write("index_scales", quant.to_bytes(kscales), entry, done))
+
+    def _select_cached(self, x_BSD, qr_BSQ, positions_BS, published, store: LayerStore) -> Handoff:
+        """An index source's Handoff for the new tokens: its picks (and the candidate pool's block ids, at the
+        candidate source), scored against `store`, its kv source's."""
+        rec = self.record
+        cinv = np.asarray(self.compressed_inv_freq, np.float32)
+        b, s, _ = x_BSD.shape
+        indexer = self.indexer
+        qI = apply_rope(indexer.wq_b(qr_BSQ).reshape(b, s, indexer.heads, indexer.head_dim), positions_BS, cinv)
+        if self.fake_quant:  # as the teacher-forced indexer (`Indexer.scores`)
+            qI = quant.fake_quant(qI, quant.MXFP4)
+        w = indexer.weights_proj(x_BSD)
+        visible_count = (positions_BS + 1) // rec.ratio
+        impl = self.kernel_impl()
+        # The kernels read the packed keys; the float cache takes the reference path below.
+        if impl != "reference" and packed(store.leaves["index_keys"]) and (rec.candidate_source is None or s == 1):
+            args = (qI, w, store.get("index_keys"), store.get("index_scales"))
+            layout = self.policy.lowering.layout
+            if rec.candidate_source is not None:  # Reindex decode: the pool's keys only
+                return Handoff(picks=dispatch.pool_top_k(*args, published[rec.candidate_source].pool_ids,
+                                                         self.pool_block_size, positions_BS, rec.ratio, self.top_k,
+                                                         mode=impl, layout=layout))
+            if self.builds_pool:
+                picks, pool_ids = dispatch.scores_and_pool(
+                    *args, positions_BS, rec.ratio, top_k=self.top_k, max_blocks=self.pool_max_blocks,
+                    block=self.pool_block_size, mode=impl, layout=layout)
+                return Handoff(picks=picks, pool_ids=pool_ids)
+            return Handoff(picks=dispatch.indexer_top_k(*args, positions_BS, rec.ratio, self.top_k, mode=impl,
+                                                        layout=layout))
+        if rec.candidate_source is not None and s == 1:
+            # Decode: score only the pool's keys (the Reindex promise, DESIGN §3.4).
+            pool_ids = published[rec.candidate_source].pool_ids
+            scores, entry = pool_gather_scores(qI, w, store, pool_ids, self.pool_block_size, visible_count,
+                                               indexer.unroll)
+            local = ix.top_k_indices(scores, self.top_k)
+            picks = jnp.where(local >= 0, jnp.take_along_axis(entry, jnp.maximum(local, 0), axis=-1), -1)
+            picks = jnp.sort(jnp.where(picks < 0, jnp.iinfo(jnp.int32).max, picks), axis=-1)
+            return Handoff(picks=jnp.where(picks == jnp.iinfo(jnp.int32).max, -1, picks))
+        num, tile = store.leaves["index_keys"].shape[-2], self.score_tile
+        if tile < num and num % self.pool_block_size == 0 and not self.policy.lowering.unroll_layers:
+            return self._select_filled(qI, w, positions_BS, visible_count, published, store)
+        keys = dequant_keys(store.get("index_keys"), store.get("index_scales"))
+        scores = ix.lightning_scores(qI, keys, w, ix.visible_entries(positions_BS, rec.ratio, num), indexer.unroll)
+        pool_ids = None
+        if self.builds_pool:
+            pool_ids = ix.candidate_block_ids(scores, visible_count, self.pool_max_blocks, self.pool_block_size)
+        if rec.candidate_source is not None:
+            pool = published[rec.candidate_source].pool_ids
+            in_pool = ix.blocks_to_entries(ix.block_ids_to_mask(pool, -(-num // self.pool_block_size)),
+                                           self.pool_block_size, num)
+            scores = jnp.where(in_pool, scores, NEG_INF)
+        return Handoff(picks=ix.top_k_indices(scores, self.top_k), pool_ids=pool_ids)
+
+    def _select_filled(self, qI_BSJd, w_BSJ, positions_BS, visible_count_BS, published, store) -> Handoff:
+        """`_select`'s scores, pool and top-k over the store's filled tiles only (`indexer.filled_top_k`): the
+        same picks, at a cost that follows the rows' lengths rather than the cache's capacity. (The FLOP
+        counting lowering scores the whole capacity: static shapes, which XLA's cost analysis counts.)"""
+        rec, tile = self.record, self.score_tile
+        num = store.leaves["index_keys"].shape[-2]
+        pool_ids = None if rec.candidate_source is None else published[rec.candidate_source].pool_ids
+        if pool_ids is not None:  # ascending block ids, then −1s: searchable once the −1s sort last
+            pool_sorted = jnp.where(pool_ids < 0, jnp.iinfo(jnp.int32).max, pool_ids)
+            search = jax.vmap(jax.vmap(lambda p, x: jnp.searchsorted(p, x)))
+
+        def tile_scores(start):
+            keys = dequant_keys(store.tile("index_keys", start, tile), store.tile("index_scales", start, tile))
+            entry = start + jnp.arange(tile)
+            visible = entry < visible_count_BS[..., None]
+            scores = ix.lightning_scores(qI_BSJd, keys, w_BSJ, visible, self.indexer.unroll)
+            if pool_ids is None:
+                return scores
+            blocks = jnp.broadcast_to(start // self.pool_block_size + jnp.arange(tile // self.pool_block_size),
+                                      (*pool_ids.shape[:2], tile // self.pool_block_size))
+            at = jnp.minimum(search(pool_sorted, blocks), pool_ids.shape[-1] - 1)
+            kept = jnp.take_along_axis(pool_sorted, at, -1) == blocks
+            return jnp.where(jnp.repeat(kept, self.pool_block_size, axis=-1), scores, NEG_INF)
+
+        pool = (self.pool_max_blocks, self.pool_block_size, visible_count_BS) if self.builds_pool else None
+        picks, pool_out = ix.filled_top_k(tile_scores, positions_BS.shape, num, tile, jnp.max(visible_count_BS),
+                                          self.top_k, pool)
+        return Handoff(picks=picks, pool_ids=pool_out)
+
+    def kernel_impl(self) -> str:
+        """What `runtime.kernels` selects on this backend: 'pallas', 'pallas_interpret' or 'reference'."""
+        return dispatch.resolve(self.kernels, dispatch.platform(self.policy.lowering.layout))
+
+    def _attend_kernel(self, q_BSHK, values_BTK, scales_BTX, mask_w, picks_BSk, stores):
+        """`attend_step` through the sparse-attention kernel: the window keys as stored bytes (values and scales
+        [B, T, ·]: the ring, then a chunk's new tokens; `mask_w` [B, S, T] says which each query sees) and the
+        picked entries read from the layer's packed store (a window-only layer passes no picks)."""
+        b, s, _, k = q_BSHK.shape
+        if picks_BSk is None:
+            entries, entry_scales = jnp.zeros((b, 1, k // 2), jnp.uint8), jnp.zeros((b, 1, k // 16), jnp.uint8)
+            picks_BSk = jnp.full((b, s, 1), -1, jnp.int32)
+        else:
+            store = stores[self.record.kv_source]
+            entries, entry_scales = store.get("entries"), store.get("entry_scales")
+        return dispatch.sparse_attention_chunk(q_BSHK, values_BTK, scales_BTX, mask_w, entries, entry_scales, picks_BSk,
+                                               self.attn_sink[...], self.head_dim ** -0.5, mode=self.kernel_impl(),
+                                               layout=self.policy.lowering.layout)

@@ -14,7 +14,6 @@ from dsv41.kv_store import LayerStore
 from dsv41.nn import indexer as ix
 from dsv41.nn.attend import Handoff
 from dsv41.nn.attention import Attention
-from dsv41.nn.attention_cache import compress_step
 from dsv41.nn.compressor import CompressorV4
 from dsv41.nn.policy import Policy
 from dsv41.nn.rope import apply_rope
@@ -59,12 +58,11 @@ class AttentionV4(Attention):
         rec, indexer = self.record, self.indexer
         cinv = np.asarray(self.compressed_inv_freq, np.float32)
         store: LayerStore = stores[rec.index]
-        latent, entry, done, leftover = compress_step(self.compressor, x_BSD, lengths_B, counts_B,
-                                                      store.get("leftover"))
+        latent, entry, done, leftover = self.compressor.step(x_BSD, lengths_B, counts_B, store.get("leftover"))
         store = store.write("entries", apply_rope(latent, rec.ratio * entry, cinv), entry, done).put("leftover", leftover)
         if indexer is not None:
-            latent, entry, done, index_left = compress_step(indexer.compressor, x_BSD, lengths_B, counts_B,
-                                                            store.get("index_leftover"))
+            latent, entry, done, index_left = indexer.compressor.step(x_BSD, lengths_B, counts_B,
+                                                                   store.get("index_leftover"))
             store = store.write("index_keys", apply_rope(latent, rec.ratio * entry, cinv), entry, done)
             store = store.put("index_leftover", index_left)
         stores = {**stores, rec.index: store}
