@@ -277,10 +277,7 @@ class Attention(nnx.Module):
         cinv = np.asarray(self.compressed_inv_freq, np.float32)
         b, s, _ = x_BSD.shape
         indexer = self.indexer
-        qI = apply_rope(indexer.wq_b(qr_BSQ).reshape(b, s, indexer.heads, indexer.head_dim), positions_BS, cinv)
-        if self.fake_quant:  # as the teacher-forced indexer (`Indexer.scores`)
-            qI = quant.fake_quant(qI, quant.MXFP4)
-        w = indexer.weights_proj(x_BSD)
+        qI, w = indexer.query(x_BSD, qr_BSQ, positions_BS, cinv, self.fake_quant)
         visible_count = (positions_BS + 1) // rec.ratio
         impl = self.kernel_impl()
         # The kernels read the packed keys; the float cache takes the reference path below.

@@ -70,8 +70,6 @@ class AttentionV4(Attention):
         visible = ix.visible_entries(positions_BS, rec.ratio, entries.shape[1])
         if indexer is None:
             return (None, None, (entries, visible), None), stores, None
-        b, s, _ = x_BSD.shape
-        q = apply_rope(indexer.wq_b(qr_BSQ).reshape(b, s, indexer.heads, indexer.head_dim), positions_BS, cinv)
-        picks = ix.top_k_indices(ix.lightning_scores(q, store.get("index_keys"), indexer.weights_proj(x_BSD),
-                                                     visible, indexer.unroll), self.top_k)
+        q, w = indexer.query(x_BSD, qr_BSQ, positions_BS, cinv)
+        picks = ix.top_k_indices(ix.lightning_scores(q, store.get("index_keys"), w, visible, indexer.unroll), self.top_k)
         return (store.gather("entries", picks), picks >= 0, None, None), stores, None

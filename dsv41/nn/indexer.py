@@ -45,21 +45,26 @@ class Indexer(nnx.Module):
         k = apply_rope(self.k_norm(self.wk(latent_BTK)), positions_BT, inv_freq)
         return quant.fake_quant(k, quant.MXFP4) if fake_quant else k
 
-    def scores(self, x_BSD, qr_BSQ, positions_BS, keys_BTd, visible_BST, inv_freq, fake_quant: bool):
-        """Index scores I [B, S, T] in fp32, −inf where not visible."""
+    def query(self, x_BSD, qr_BSQ, positions_BS, inv_freq, fake_quant: bool = False):
+        """(qI [B, S, J, dI], w [B, S, J]): the rotated queries (MXFP4 under fake-quant) and the head weights
+        (the teacher-forced scores and the cached step's, which score them against stored keys)."""
         b, s, _ = x_BSD.shape
-        q = self.wq_b(qr_BSQ).reshape(b, s, self.heads, self.head_dim)
-        q = apply_rope(q, positions_BS, inv_freq)
+        q = apply_rope(self.wq_b(qr_BSQ).reshape(b, s, self.heads, self.head_dim), positions_BS, inv_freq)
         if fake_quant:
             q = quant.fake_quant(q, quant.MXFP4)
-        return lightning_scores(q, keys_BTd, self.weights_proj(x_BSD), visible_BST, self.unroll)
+        return q, self.weights_proj(x_BSD)
+
+    def scores(self, x_BSD, qr_BSQ, positions_BS, keys_BTd, visible_BST, inv_freq, fake_quant: bool = False):
+        """Index scores I [B, S, T] in fp32, −inf where not visible."""
+        q, w = self.query(x_BSD, qr_BSQ, positions_BS, inv_freq, fake_quant)
+        return lightning_scores(q, keys_BTd, w, visible_BST, self.unroll)
 
 
-class IndexerV4(nnx.Module):
+class IndexerV4(Indexer):
     """The V4 (compat) indexer: its keys come from its own overlapped compressor over the layer input.
 
     kI = rope(CompressorV4(x)) at index_head_dim, rotated at the entries' positions; the query and the
-    score are the V4.1 indexer's. The released transformers V4 runs it without fake quantisation (so
+    score are the V4.1 indexer's (`query`, `scores`). The released transformers V4 runs it without fake quantisation (so
     without the Hadamard rotation that only conditions FP4 rounding).
     """
 
@@ -76,12 +81,6 @@ class IndexerV4(nnx.Module):
         latent = self.compressor(x_BSD)
         return apply_rope(latent, entry_positions(latent, self.ratio), inv_freq)
 
-    def scores(self, x_BSD, qr_BSQ, positions_BS, keys_BTd, visible_BST, inv_freq):
-        """Index scores I [B, S, T] in fp32, −inf where not visible."""
-        b, s, _ = x_BSD.shape
-        q = self.wq_b(qr_BSQ).reshape(b, s, self.heads, self.head_dim)
-        q = apply_rope(q, positions_BS, inv_freq)
-        return lightning_scores(q, keys_BTd, self.weights_proj(x_BSD), visible_BST, self.unroll)
 
 
 def lightning_scores(q_BSJd, keys_BTd, w_BSJ, visible_BST, unroll: bool = False):
