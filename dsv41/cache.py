@@ -6,13 +6,15 @@ compressor leftovers (fp32 wkv·x and wgate·x of the tokens of the unfinished g
 parameters: one `CompressedKV` per stack slot that owns a compressor (`store_slots`), each leaf with a
 leading layers axis [G, B, ·] over the stack's groups, so a scanned layer reads and writes its own
 slice in place (`layer_stores` gives the per-layer view). Per layer: the FP8 window ring with its
-UE8M0 scales, [L, B, W, ·] in layer order. Per sequence: its length, the candidate pool chosen at the
+UE8M0 scales, stacked the same way: one leaf per stack slot (`ring_slots`), [N, B, W, ·] over the
+slot's layers (`ring_layers`: group by group, a run's layers in order; `layer_rings` gives them in
+layer order). Per sequence: its length, the candidate pool chosen at the
 last step and the last tokens the Engram n-gram hashes look back on. Every shape is static. The
 one-byte formats are kept as their bits (uint8): a gather then moves bytes and nothing converts a
 whole store (`quant.to_bytes` / `quant.from_bytes` convert).
 
 A V4.1 config with `quant: none` (no fake-quant, DESIGN §3.8) gets the float cache: the same leaves
-with the entries [B, T, K], indexer keys [B, T, dI] and window ring [L, B, W, K] in the compute dtype
+with the entries [B, T, K], indexer keys [B, T, dI] and window rings [N, B, W, K] in the compute dtype
 and every scale leaf empty ([..., 0]); the steps then store and read exactly the values the
 teacher-forced forward computes, and run the XLA reference paths (the kernels read packed bytes).
 
@@ -68,13 +70,14 @@ class HostMirror:
                                 "recent_tokens"))
 @dataclasses.dataclass
 class Cache:
-    """The whole inference state (as packed; the float cache: window [L, B, W, K] in the compute dtype and
-    window_scales [L, B, W, 0]). `mirror` is not a pytree leaf: tree operations, jitted functions and
+    """The whole inference state (as packed; the float cache: window [N, B, W, K] in the compute dtype and
+    window_scales [N, B, W, 0]). `mirror` is not a pytree leaf: tree operations, jitted functions and
     `dataclasses.replace` drop it, and `host_view` then reads the lengths from the device once."""
 
     lengths: jax.Array        # int32 [B]           tokens seen per row
-    window: jax.Array         # uint8 [L, B, W, K]     the bits of FP8 E4M3 values; slot p % W holds position p
-    window_scales: jax.Array  # uint8 [L, B, W, K/32]  the bits of UE8M0 scales
+    window: tuple             # uint8 [N, B, W, K] per stack slot (`ring_slots`): the bits of FP8 E4M3
+                              #   values; ring slot p % W holds position p
+    window_scales: tuple      # uint8 [N, B, W, K/32] per stack slot: the bits of UE8M0 scales
     compressed: tuple         # CompressedKV per stack slot that owns a compressor (`store_slots`), [G, B, ...]
     window_start: jax.Array   # int32 [L, B]          the first position each ring holds (CED replay start)
     pool_blocks: jax.Array    # int32 [B, max_blocks]  the candidate blocks of the last step (-1: none)
@@ -117,6 +120,37 @@ def store_of(cfg, layer: int) -> tuple[int, int]:
     return slots.index((s, j)), g
 
 
+def ring_slots(cfg) -> tuple[tuple[int, int], ...]:
+    """(stack, slot) of each `Cache.window` / `window_scales` leaf: every stack slot, in order."""
+    return tuple((s, j) for s, st in enumerate(layer_stacks(cfg)) for j in range(st.slots))
+
+
+def ring_layers(cfg) -> tuple[tuple[int, ...], ...]:
+    """The layers of each ring leaf, in the order of its leading axis: group by group, and a run's layers
+    in order (position g · run + r)."""
+    stacks = layer_stacks(cfg)
+    return tuple(tuple(int(i) for i in np.ravel(stacks[s].grid(j))) for s, j in ring_slots(cfg))
+
+
+def ring_of(cfg, layer: int) -> tuple[int, int]:
+    """(index into `Cache.window`, position on its leading axis) of a layer's ring."""
+    for k, layers in enumerate(ring_layers(cfg)):
+        if layer in layers:
+            return k, layers.index(layer)
+    raise ValueError(f"layer: {layer}: expected a layer of the model, 0 to {len(layer_plan(cfg)) - 1}")
+
+
+def layer_rings(cfg, rings) -> list:
+    """The per-slot ring leaves `rings` (`Cache.window` or `window_scales`) as one [B, W, ·] per layer, in
+    layer order (views of NumPy leaves; `jnp.stack` / `np.stack` them for [L, B, W, ·]; works on
+    `abstract_cache` shapes too)."""
+    def one(x, n):
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x[n]
+
+    where = {layer: (k, n) for k, layers in enumerate(ring_layers(cfg)) for n, layer in enumerate(layers)}
+    return [one(rings[k], n) for k, n in (where[i] for i in range(len(where)))]
+
+
 def layer_stores(cfg, cache) -> dict[int, CompressedKV]:
     """{layer: its CompressedKV [B, ·]} sliced out of the stacked stores (for inspection and the prefix
     cache; works on arrays, on NumPy copies of them (views) and on `abstract_cache` shapes)."""
@@ -157,8 +191,8 @@ def _shapes(cfg, batch: int, max_len: int) -> dict:
             leftover=_sds((batch, r.ratio - 1, 2 * k), jnp.float32),
             index_leftover=_sds((batch, 0, 0), jnp.float32),
         ))
-    return _common(cfg, plan, batch, _sds((len(plan), batch, w, k), dtype),
-                   _sds((len(plan), batch, w, scales(k, quant.FP8_UE8M0_32)), jnp.uint8), _stacked(cfg, compressed))
+    return _common(cfg, plan, batch, _rings(cfg, (batch, w, k), dtype),
+                   _rings(cfg, (batch, w, scales(k, quant.FP8_UE8M0_32)), jnp.uint8), _stacked(cfg, compressed))
 
 
 def _shapes_v4(cfg, batch: int, max_len: int) -> dict:
@@ -182,7 +216,7 @@ def _shapes_v4(cfg, batch: int, max_len: int) -> dict:
             leftover=_sds((batch, held, width * k), jnp.float32),
             index_leftover=_sds((batch, held if csa else 0, 4 * d_i if csa else 0), jnp.float32),
         ))
-    return _common(cfg, plan, batch, _sds((len(plan), batch, w, k), dtype), _sds((len(plan), batch, w, 0), jnp.uint8),
+    return _common(cfg, plan, batch, _rings(cfg, (batch, w, k), dtype), _rings(cfg, (batch, w, 0), jnp.uint8),
                    _stacked(cfg, compressed))
 
 
@@ -210,6 +244,11 @@ def _stacked(cfg, per_layer: list) -> list:
     return out
 
 
+def _rings(cfg, shape, dtype) -> tuple:
+    """One ring leaf per stack slot, [N, *shape] over the slot's layers."""
+    return tuple(_sds((len(layers), *shape), dtype) for layers in ring_layers(cfg))
+
+
 def _sds(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -217,7 +256,7 @@ def _sds(shape, dtype):
 def quantised(cache: Cache) -> bool:
     """True when the cache holds the packed formats (V4.1 with quant qat), False for the float cache
     (quant none: V4.1 for comparisons, V4 compat)."""
-    return cache.window.dtype == jnp.uint8
+    return cache.window[0].dtype == jnp.uint8
 
 
 def check_capacity(cfg, max_len: int) -> None:

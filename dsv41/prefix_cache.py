@@ -46,7 +46,7 @@ import numpy as np
 
 from dsv41 import engram_hash, schema, steps
 from dsv41 import model as model_lib
-from dsv41.cache import Cache, init_cache, layer_stores, with_mirror
+from dsv41.cache import Cache, init_cache, layer_rings, layer_stores, with_mirror
 from dsv41.errors import ConfigError
 from dsv41.plan import layer_plan
 
@@ -378,8 +378,22 @@ class PrefixCache:
                              for rec, c in zip(self.full, a_kv) for f in self.per_entry}
         self.state_shapes = {f"{rec.index}/{f}": (x.shape, x.dtype) for rec, e in zip(self.full, self.empty_state)
                              for f, x in e.items()}
-        self.ring_shapes = {n: (getattr(a, n)[:, 0].shape, getattr(a, n).dtype)
-                            for n in ("window", "window_scales", "window_start")}
+        self.ring_shapes = {n: (x.shape, x.dtype) for n, x in self._row_rings(a, 0).items()}
+
+    def _row_rings(self, cache: Cache, row: int) -> dict:
+        """Row `row`'s rings in layer order (the pool's and the files' layout): window [L, W, K],
+        window_scales [L, W, K/32], window_start [L] (copies; `cache` on the host or the device)."""
+        out = {n: np.stack([np.asarray(x[row]) for x in layer_rings(self.cfg, getattr(cache, n))])
+               for n in ("window", "window_scales")}
+        out["window_start"] = np.asarray(cache.window_start[:, row])
+        return out
+
+    def _set_row_rings(self, host: Cache, row: int, rings: dict) -> None:
+        """Writes `_row_rings`' arrays into row `row` of a host cache (its per-slot leaves in place)."""
+        for n in ("window", "window_scales"):
+            for layer, view in enumerate(layer_rings(self.cfg, getattr(host, n))):
+                view[row] = rings[n][layer]
+        host.window_start[:, row] = rings["window_start"]
 
     def _stores(self, cache: Cache) -> list:
         """Each Full layer's CompressedKV [B, ·] in layer order (views into a host cache's stacked arrays)."""
@@ -427,7 +441,7 @@ class PrefixCache:
                         arrays[f"{rec.index}/{f}"] = c[f]
             written += self.store.put(key, self._header(key, k, tokens), arrays)
         if at_end and keys:
-            rings = {n: np.asarray(getattr(cache, n)[:, row]) for n in ("window", "window_scales", "window_start")}
+            rings = self._row_rings(cache, row)
             if self.pool is not None:
                 self.pool.put(keys[-1], rings)
             if self.ring_store is not None:
@@ -469,8 +483,7 @@ class PrefixCache:
             self._fill_row(host, row, p[:n], blocks)
             rings, where = self._rings(keys[len(blocks) - 1], len(blocks) - 1, p)
             if rings is not None:
-                for name in ("window", "window_scales", "window_start"):
-                    getattr(host, name)[:, row] = rings[name]
+                self._set_row_rings(host, row, rings)
                 infos.append(RestoreInfo(n, where))
             else:
                 replay_rows.append(row)

@@ -188,7 +188,9 @@ def cache_shardings(cfg, mesh: Mesh, rules="serve", *, batch: int, max_len: int)
     compressed = tuple(CompressedKV(**{f: spec(COMPRESSED_AXES[f], getattr(c, f), f"cache.compressed[{i}].{f}")
                                        for f in COMPRESSED_AXES})
                        for i, c in enumerate(shapes.compressed))
-    top = {f: spec(CACHE_AXES[f], getattr(shapes, f), f"cache.{f}") for f in CACHE_AXES}
+    top = {f: (tuple(spec(CACHE_AXES[f], x, f"cache.{f}[{i}]") for i, x in enumerate(getattr(shapes, f)))
+               if f in ("window", "window_scales") else spec(CACHE_AXES[f], getattr(shapes, f), f"cache.{f}"))
+           for f in CACHE_AXES}
     return Cache(compressed=compressed, **top)
 
 

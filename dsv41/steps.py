@@ -20,7 +20,7 @@ from flax import nnx
 
 from dsv41 import engram_hash, schema
 from dsv41 import model as model_lib
-from dsv41.cache import Cache, CompressedKV, host_view, store_of, store_slots, with_mirror
+from dsv41.cache import Cache, CompressedKV, host_view, ring_slots, store_of, store_slots, with_mirror
 from dsv41.kv_store import LayerStore
 from dsv41.errors import ConfigError
 from dsv41.plan import layer_plan
@@ -199,8 +199,8 @@ class _State:
 
     x: jax.Array
     pre: jax.Array
-    window: jax.Array
-    window_scales: jax.Array
+    window: tuple          # per stack slot (`cache.ring_slots`)
+    window_scales: tuple
     window_start: jax.Array
     compressed: tuple
 
@@ -213,7 +213,7 @@ def _run(model, cfg, stage, state: _State, published, inputs: _Inputs, entries_r
     threaded through each stack's scan. entries_ready: layers whose compressor already wrote these
     tokens' entries. Returns (state, published)."""
     plan = layer_plan(cfg)
-    slots = store_slots(cfg)
+    slots, rings = store_slots(cfg), ring_slots(cfg)
     for s, st in enumerate(model.stacks):
         spec = st.spec
         if stage is not None and plan[spec.first].stage != stage:
@@ -225,7 +225,9 @@ def _run(model, cfg, stage, state: _State, published, inputs: _Inputs, entries_r
         def layer_fn(block, at, state: _State, published, s=s, spec=spec, ready=ready):
             compressed = list(state.compressed)
             rec = block.attn.record  # group 0's: its sources inside the stack are this group's
-            ring = LayerStore({"values": state.window, "scales": state.window_scales}, at.layer)
+            kr = rings.index((s, at.j))  # this slot's ring leaf, the layer at g · run + r on its leading axis
+            ring = LayerStore({"values": state.window[kr], "scales": state.window_scales[kr]},
+                              at.g * spec.runs[at.j] + at.r)
             stores, where = {}, {}
             if rec.kv_source is not None:
                 src = rec.kv_source
@@ -246,11 +248,16 @@ def _run(model, cfg, stage, state: _State, published, inputs: _Inputs, entries_r
                 compressed[k] = CompressedKV(**new_stores[src].leaves)
             if handoff is not None:
                 published = {**published, rec.index: handoff}
-            return state.replace(x=x, pre=pre, window=new_ring.leaves["values"], window_scales=new_ring.leaves["scales"],
+            return state.replace(x=x, pre=pre, window=_put(state.window, kr, new_ring.leaves["values"]),
+                                 window_scales=_put(state.window_scales, kr, new_ring.leaves["scales"]),
                                  compressed=tuple(compressed)), published
 
         state, published, _ = st.run(layer_fn, state, published)
     return state, published
+
+
+def _put(leaves: tuple, k: int, leaf) -> tuple:
+    return (*leaves[:k], leaf, *leaves[k + 1:])
 
 
 def _state(cache: Cache, x, pre) -> _State:

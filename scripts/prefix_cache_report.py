@@ -36,8 +36,8 @@ from dsv41.generate import cache_length
 def ring_bytes_per_block(cfg) -> int:
     """The window rings of one sequence as the pool keeps them: every layer's FP8 ring + scales + start."""
     c = jax.eval_shape(lambda: init_cache(cfg, 1, cache_length(cfg, 1)))
-    return sum(int(np.prod(getattr(c, n).shape)) * np.dtype(getattr(c, n).dtype).itemsize
-               for n in ("window", "window_scales", "window_start"))
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+               for n in ("window", "window_scales", "window_start") for x in jax.tree.leaves(getattr(c, n)))
 
 
 def analytic(cfg, block: int) -> dict:

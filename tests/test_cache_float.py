@@ -65,10 +65,11 @@ def test_cache_leaves_are_floats_for_quant_none_and_packed_for_qat():
     k, d_i, w, layers = 64, 32, 16, 6
     f = cache_lib.abstract_cache(none, 2, MAX_LEN)
     q = cache_lib.abstract_cache(qat, 2, MAX_LEN)
-    assert (f.window.shape, f.window.dtype, f.window_scales.shape) == ((layers, 2, w, k), jnp.float32,
-                                                                        (layers, 2, w, 0))
-    assert (q.window.shape, q.window.dtype, q.window_scales.shape) == ((layers, 2, w, k), jnp.uint8,
-                                                                        (layers, 2, w, k // 32))
+    # one ring leaf per stack slot, [layers of the slot, B, W, ·]; per layer [B, W, ·] in layer order
+    for c, dtype, scales in ((f, jnp.float32, 0), (q, jnp.uint8, k // 32)):
+        assert sum(x.shape[0] for x in c.window) == layers and len(c.window) == len(c.window_scales)
+        assert [(x.shape, x.dtype) for x in cache_lib.layer_rings(none, c.window)] == [((2, w, k), dtype)] * layers
+        assert [x.shape for x in cache_lib.layer_rings(none, c.window_scales)] == [(2, w, scales)] * layers
     for ratio, fc, qc in zip((2, 1), cache_lib.layer_stores(none, f).values(), cache_lib.layer_stores(qat, q).values()):
         t = MAX_LEN // ratio
         assert [(x.shape, x.dtype) for x in (fc.entries, fc.entry_scales, fc.index_keys, fc.index_scales)] == [
@@ -92,7 +93,7 @@ def test_chunked_prefill_and_decode_equal_the_teacher_forced_forward(model):
     errors, c = _prefill_and_decode(cfg, params, ids, ref)
     assert max(errors) <= TOL, errors
     assert c.lengths.tolist() == [LENGTHS[0] + DECODE, LENGTHS[1] + DECODE]
-    assert c.window.dtype == jnp.float32 and c.compressed[0].entries.dtype == jnp.float32  # [G, B, T, K]
+    assert c.window[0].dtype == jnp.float32 and c.compressed[0].entries.dtype == jnp.float32  # [G, B, T, K]
 
 
 @pytest.mark.slow

@@ -60,8 +60,10 @@ def test_window_rings(both):
     cfg, inter, cache = both
     w = cfg.kv_cache.swa_window_size
     positions = np.arange(N - w, N)
+    rings = np.stack([np.asarray(x) for x in cache_lib.layer_rings(cfg, cache.window)])  # [L, B, W, K]
+    ring_scales = np.stack([np.asarray(x) for x in cache_lib.layer_rings(cfg, cache.window_scales)])
     for layer in range(len(cache_lib.layer_plan(cfg))):
-        vals = np.asarray(cache.window)[layer, 0, positions % w].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-        scales = np.asarray(cache.window_scales)[layer, 0, positions % w].view(ml_dtypes.float8_e8m0fnu)
+        vals = rings[layer, 0, positions % w].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        scales = ring_scales[layer, 0, positions % w].view(ml_dtypes.float8_e8m0fnu)
         ring = blocks(vals, scales.astype(np.float64), 32)
         np.testing.assert_array_equal(ring.astype(np.float32), recorded(inter, layer, "window_kv")[positions])

@@ -108,7 +108,7 @@ def _checks() -> dict:
                 "ffn.w2": str(layer["ffn"]["w2"][...].sharding.spec),
                 "attn.wkv": str(layer["attn"]["wkv"]["w"][...].sharding.spec),
                 "head": str(p["head"]["w"][...].sharding.spec),
-                "cache.window": str(c.window.sharding.spec),
+                "cache.window": str(c.window[0].sharding.spec),
                 "cache.entries": str(c.compressed[0].entries.sharding.spec),
                 "cache.lengths": str(c.lengths.sharding.spec),
                 "logits": str(logits.sharding.spec),
