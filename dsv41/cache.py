@@ -132,14 +132,6 @@ def ring_layers(cfg) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(int(i) for i in np.ravel(stacks[s].grid(j))) for s, j in ring_slots(cfg))
 
 
-def ring_of(cfg, layer: int) -> tuple[int, int]:
-    """(index into `Cache.window`, position on its leading axis) of a layer's ring."""
-    for k, layers in enumerate(ring_layers(cfg)):
-        if layer in layers:
-            return k, layers.index(layer)
-    raise ValueError(f"layer: {layer}: expected a layer of the model, 0 to {len(layer_plan(cfg)) - 1}")
-
-
 def layer_rings(cfg, rings) -> list:
     """The per-slot ring leaves `rings` (`Cache.window` or `window_scales`) as one [B, W, ·] per layer, in
     layer order (views of NumPy leaves; `jnp.stack` / `np.stack` them for [L, B, W, ·]; works on

@@ -383,8 +383,8 @@ class PrefixCache:
     def _row_rings(self, cache: Cache, row: int) -> dict:
         """Row `row`'s rings in layer order (the pool's and the files' layout): window [L, W, K],
         window_scales [L, W, K/32], window_start [L] (copies; `cache` on the host or the device)."""
-        out = {n: np.stack([np.asarray(x[row]) for x in layer_rings(self.cfg, getattr(cache, n))])
-               for n in ("window", "window_scales")}
+        out = {n: np.stack(layer_rings(self.cfg, [np.asarray(x[:, row]) for x in getattr(cache, n)]))
+               for n in ("window", "window_scales")}  # one read per leaf, then the layers in order
         out["window_start"] = np.asarray(cache.window_start[:, row])
         return out
 

@@ -337,7 +337,7 @@ def ced_body(key, lowering, params, cache: Cache, tokens_BS, counts_B, engram_id
     compressed = state.compressed
     store = block.attn.write_entries(block.attn_norm(mhc.collapse(state.x, state.pre)), cache.lengths, counts_B,
                                      LayerStore(vars(compressed[k]).copy(), g))
-    state = state.replace(compressed=(*compressed[:k], CompressedKV(**store.leaves), *compressed[k + 1:]))
+    state = state.replace(compressed=_put(compressed, k, CompressedKV(**store.leaves)))
     new_len = cache.lengths + counts_B
     if not replay:
         return None, _finish(cfg, cache, new_len, state, published, counts_B)

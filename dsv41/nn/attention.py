@@ -36,7 +36,6 @@ from dsv41.kernels import dispatch
 from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, packed, ring_positions
 from dsv41.nn import indexer as ix
 from dsv41.nn.attend import NEG_INF, Handoff, attend_step, window_keys, window_mask
-from dsv41.nn.indexer import pool_gather_scores
 from dsv41.nn.compressor import Compressor
 from dsv41.nn.linear import Dense, param
 from dsv41.nn.norm import RMSNorm, rms_normalize
@@ -298,7 +297,7 @@ class Attention(nnx.Module):
         if rec.candidate_source is not None and s == 1:
             # Decode: score only the pool's keys (the Reindex promise, DESIGN §3.4).
             pool_ids = published[rec.candidate_source].pool_ids
-            scores, entry = pool_gather_scores(qI, w, store, pool_ids, self.pool_block_size, visible_count,
+            scores, entry = ix.pool_gather_scores(qI, w, store, pool_ids, self.pool_block_size, visible_count,
                                                indexer.unroll)
             local = ix.top_k_indices(scores, self.top_k)
             picks = jnp.where(local >= 0, jnp.take_along_axis(entry, jnp.maximum(local, 0), axis=-1), -1)

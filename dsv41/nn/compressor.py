@@ -34,11 +34,6 @@ class Compressor(nnx.Module):
         self.wgate = Dense(dim, latent, ("embed", "kv"), policy=policy, rngs=rngs) if ratio > 1 else None
         self.norm = RMSNorm(latent, eps, "kv")
 
-    @property
-    def held(self) -> int:
-        """Tokens the state keeps: from the first one the next entry pools up to the last one seen."""
-        return (self.ratio if self.overlap else 0) + self.ratio - 1
-
     def _project(self, x_BSD, positions_BS):
         """[B, S, 2·width] fp32: wkv·x | wgate·x (+ the slot's bias), what the pooling reads of a token."""
         x = x_BSD.astype(jnp.float32)
@@ -78,7 +73,7 @@ class Compressor(nnx.Module):
         return self._pool(proj, jnp.broadcast_to(exists, (b, t, exists.shape[1])), x_BSD.dtype)
 
     def step(self, x_BSD, lengths_B, counts_B, leftover_BRC):
-        """The groups completed by S new tokens per row, folding in the state (`held` leftover tokens'
+        """The groups completed by S new tokens per row, folding in the state (the leftover tokens'
         projections, fp32, zeros before the start); rows hold `lengths_B` tokens and bring `counts_B`.
 
         Returns (latent [B, E, K], entry index [B, E], done [B, E], new leftover [B, R, C]).
@@ -89,7 +84,7 @@ class Compressor(nnx.Module):
             positions = lengths_B[:, None] + jnp.arange(s)
             return self(x_BSD), positions, jnp.arange(s) < counts_B[:, None], leftover_BRC
         back = m if self.overlap else 0  # positions an entry pools before its own group
-        held = leftover_BRC.shape[1]  # = self.held
+        held = leftover_BRC.shape[1]  # back + ratio − 1 tokens (`cache` sizes it)
         proj = self._project(x_BSD, lengths_B[:, None] + jnp.arange(s))  # [B, S, 2·width]
         base = lengths_B // m * m - back                                 # position of leftover slot 0
         rows = jnp.arange(b)
