@@ -299,3 +299,24 @@ def expected_bytes(cfg, batch: int, max_len: int) -> dict:
     fixed = accounting.fixed_bytes_per_sequence(cfg)
     return {"global_kv": batch * per_token * max_len, "fixed": batch * fixed["total"],
             "total": batch * (per_token * max_len + fixed["total"])}
+
+
+def _row_axis(path) -> int:
+    """Where a cache leaf keeps its rows: [B, ·] for lengths, pool_blocks and recent_tokens; [N, B, ·]
+    (a leading layers axis) for the rings, the stores and window_start."""
+    return 0 if path[0].name in ("lengths", "pool_blocks", "recent_tokens") else 1
+
+
+def take_rows(cache: Cache, rows) -> Cache:
+    """The cache of rows `rows` ([P] int) of `cache`, in that order (traceable; no host mirror)."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: jnp.take(x, rows, axis=_row_axis(p)), cache)
+
+
+def put_rows(cache: Cache, rows, part: Cache) -> Cache:
+    """`cache` with rows `rows` ([P] distinct ints) replaced by the P rows of `part` (traceable)."""
+    def put(p, x, y):
+        a = _row_axis(p)
+        index = (slice(None),) * a + (rows,)
+        return x.at[index].set(y.astype(x.dtype))
+
+    return jax.tree_util.tree_map_with_path(put, cache, part)

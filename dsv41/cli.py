@@ -272,14 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse and store the global KV of prompt prefixes in DIR (DESIGN §7; V4.1)")
     p.set_defaults(func=cmd_generate)
 
-    from dsv41 import compile_report, convert, passkey, train
+    from dsv41 import compile_report, convert, passkey, server, train
 
     train.add_parser(sub).set_defaults(func=train.run)
     convert.add_parser(sub).set_defaults(func=convert.run)
     # Not compile-report: JAX writes its TPU programs to the cache but cannot load them back without a TPU.
     compile_report.add_parser(sub)
     passkey.add_parser(sub)
-    for name in ("demo", "generate", "train", "passkey"):
+    server.add_parser(sub)
+    for name in ("demo", "generate", "train", "passkey", "serve"):
         p = sub.choices[name]
         _add_compile_cache_args(p)
         p.set_defaults(compiles=True)
