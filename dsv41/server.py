@@ -62,21 +62,24 @@ def _tuple(kinds):
     return kinds if isinstance(kinds, tuple) else (kinds,)
 
 
+# Fields this server does not implement, with the values that ask for nothing (accepted).
+UNSUPPORTED = {"logprobs": (False, 0), "top_logprobs": (0,), "echo": (False,), "suffix": ("",), "best_of": (1,),
+               "logit_bias": ({},), "tools": ([],), "response_format": ({"type": "text"},)}
+
+
 def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
-    """The sampling settings of a request body (OpenAI's fields, plus vLLM's top_k and stop_token_ids)."""
-    n = _field(body, "n", int, 1, check=lambda v: v == 1, expected="1 (one choice per request)")
-    del n
-    for unsupported in ("logprobs", "top_logprobs", "echo", "suffix", "best_of", "logit_bias", "tools",
-                        "response_format"):
-        value = body.get(unsupported)
-        if value not in (None, False, 1 if unsupported == "best_of" else None, {} if unsupported == "logit_bias" else None):
-            raise APIError(400, f"{unsupported}: {json.dumps(value)[:100]}: not supported by this server", param=unsupported,
+    """The sampling settings of a request body (OpenAI's fields, plus vLLM's top_k and stop_token_ids).
+    max_tokens defaults to 16 for completions (OpenAI's default) and, for chat, to the room left in the
+    context window (-1 here: the caller fills it in once the prompt's length is known)."""
+    _field(body, "n", int, 1, check=lambda v: v == 1, expected="1 (one choice per request)")
+    for name, neutral in UNSUPPORTED.items():
+        if body.get(name) is not None and body[name] not in neutral:
+            raise APIError(400, f"{name}: {json.dumps(body[name])[:100]}: not supported by this server", param=name,
                            code="unsupported_parameter")
     for penalty in ("presence_penalty", "frequency_penalty"):
         _field(body, penalty, (int, float), 0, check=lambda v: v == 0, expected="0 (penalties are not supported)")
-    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     max_tokens = None
-    for name in names:
+    for name in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
         max_tokens = _field(body, name, int, None, check=lambda v: v >= 1, expected="an integer >= 1")
         if max_tokens is not None:
             break
@@ -87,17 +90,15 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
                              or len(stop) > 16):
         raise APIError(400, f"stop: {json.dumps(stop)[:200]} is not valid: expected a non-empty string or a list of "
                        "up to 16 of them", param="stop", code="invalid_value")
-    ids = _field(body, "stop_token_ids", list, [], check=lambda v: all(isinstance(i, int) and not isinstance(i, bool)
-                                                                      and i >= 0 for i in v),
-                 expected="a list of token ids")
+    ids = _field(body, "stop_token_ids", list, [], expected="a list of token ids",
+                 check=lambda v: all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v))
+    number = (int, float)
     return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else -1,  # -1: the room left in the context window
-        temperature=float(_field(body, "temperature", (int, float), 1.0, check=lambda v: 0 <= v <= 2,
+        max_tokens=max_tokens if max_tokens is not None else (-1 if chat else 16),
+        temperature=float(_field(body, "temperature", number, 1.0, check=lambda v: 0 <= v <= 2,
                                  expected="a number in [0, 2]")),
-        top_p=float(_field(body, "top_p", (int, float), 1.0, check=lambda v: 0 < v <= 1,
-                           expected="a number in (0, 1]")),
-        top_k=int(_field(body, "top_k", int, 0, check=lambda v: v >= -1, expected="an integer >= -1 (-1 or 0: all)"))
-        if body.get("top_k") != -1 else 0,
+        top_p=float(_field(body, "top_p", number, 1.0, check=lambda v: 0 < v <= 1, expected="a number in (0, 1]")),
+        top_k=max(0, _field(body, "top_k", int, 0, check=lambda v: v >= -1, expected="an integer >= -1 (-1, 0: all)")),
         stop=tuple(stop or ()), stop_token_ids=tuple(ids),
         seed=_field(body, "seed", int, None, check=lambda v: 0 <= v < 2 ** 63, expected="an integer in 0..2^63-1"))
 
