@@ -171,6 +171,8 @@ def cmd_generate(args) -> int:
         sys.stdout.write(stream.step(token))
         sys.stdout.flush()
 
+    pc = request.get("prefix_cache")
+    before = dataclasses.replace(pc.counters) if pc is not None else None
     start = time.perf_counter()
     out = generate_lib.generate(params, cfg, prompt, on_token=on_token,
                                 on_prefill_progress=on_prefill_progress, **request)
@@ -186,7 +188,22 @@ def cmd_generate(args) -> int:
     stopped = ", stopped at a stop token" if len(out) < args.max_new_tokens else ""
     print(f"prompt {len(prompt)} tokens, generated {len(out)} tokens{stopped}, "
           f"prefill {(times[0] if times else end) - start:.2f} s, decode {rate}", file=sys.stderr)
+    if pc is not None:
+        print(prefix_cache_summary(before, pc.counters, pc.block, len(prompt)), file=sys.stderr)
     return 0
+
+
+def prefix_cache_summary(before, after, block: int, prompt_tokens: int) -> str:
+    """What the prefix cache did for one prompt, from its counters before and after: tokens restored,
+    where the rings came from, tokens replayed and recomputed, and every entry it rejected."""
+    d = {f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)}
+    restored = d["hits"] * block
+    rings = "" if not restored else (", rings from the pool" if d["pool_hits"] else
+                                     ", rings rebuilt by bounded replay" if d["replays"] else ", rings from disk")
+    rejected = {k: d[k] for k in ("corrupt", "truncated", "foreign", "expired") if d[k]}
+    return (f"prefix cache: {restored} of {prompt_tokens} prompt tokens restored ({d['hits']} blocks{rings}), "
+            f"{d['replayed_tokens']} replayed, {prompt_tokens - restored} recomputed, {d['writes']} blocks saved; "
+            f"rejected entries: " + (", ".join(f"{v} {k}" for k, v in rejected.items()) or "none"))
 
 
 def cmd_demo(args) -> int:

@@ -75,6 +75,7 @@ class Counters:
     pool_hits: int = 0
     pool_misses: int = 0
     replays: int = 0          # rows whose rings were rebuilt by bounded replay
+    replayed_tokens: int = 0  # tokens those replays ran through the encoder again
 
 
 @dataclasses.dataclass
@@ -558,6 +559,7 @@ class PrefixCache:
             counts[row] = n
             infos[row].replayed = (n, min(dec, n))
             self.counters.replays += 1
+            self.counters.replayed_tokens += n
         ids = self._engram_ids(prompts, n_cached, tokens, counts)
         return self.steps.replay(cache, tokens, counts, decoder_tokens=dec, engram_ids_BRLC=ids)
 

@@ -61,3 +61,29 @@ def test_bad_input_exits_2_with_the_field():
 def test_help_has_an_example(command):
     out = run(command, "--help")
     assert out.returncode == 0 and "example: dsv41" in out.stdout
+
+
+@pytest.mark.slow
+def test_generate_says_what_the_prefix_cache_restored_replayed_recomputed_and_rejected(tmp_path, capsys):
+    """Three runs of one 300-token prompt (blocks of 256): cold (nothing restored, one block saved), again in a
+    new process's cache (the block restored, its rings replayed: the pool lives in memory), then with the
+    block's file damaged (rejected as corrupt, everything recomputed)."""
+    from dsv41.cli import main
+
+    args = ["generate", "--config", "passkey", "--prompt", "a" * 300, "--max-new-tokens", "2",
+            "--prefix-cache", str(tmp_path), "--no-compile-cache"]
+
+    def summary():
+        assert main(args) == 0
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("prefix cache:")]
+
+    assert summary() == ["prefix cache: 0 of 300 prompt tokens restored (0 blocks), 0 replayed, 300 recomputed, "
+                         "1 blocks saved; rejected entries: none"]
+    assert summary() == ["prefix cache: 256 of 300 prompt tokens restored (1 blocks, rings rebuilt by bounded "
+                         "replay), 32 replayed, 44 recomputed, 0 blocks saved; rejected entries: none"]
+    (entry,) = tmp_path.glob("*.kv")
+    data = bytearray(entry.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    assert summary() == ["prefix cache: 0 of 300 prompt tokens restored (0 blocks), 0 replayed, 300 recomputed, "
+                         "1 blocks saved; rejected entries: 1 corrupt"]
