@@ -119,7 +119,7 @@ class Engine:
     """
 
     def __init__(self, params, cfg, tokenizer, *, slots: int = 8, max_model_len: int | None = None,
-                 chunks=DEFAULT_CHUNKS, prefill_rows: int = 2, prefix_cache=None, observer=None):
+                 chunks=DEFAULT_CHUNKS, prefill_rows: int = 1, prefix_cache=None, observer=None):
         if cfg.runtime.prefill_schedule != "full":
             raise ConfigError("runtime.prefill_schedule", cfg.runtime.prefill_schedule,
                               "expected 'full' for serving: the engine prefills rows in interleaved chunks, and CED's "

@@ -420,7 +420,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="tokens per request, prompt + output (default: the config's context window)")
     p.add_argument("--prefill-chunks", default=",".join(map(str, _chunks_default())),
                    help="the prefill chunk widths compiled (comma-separated; default %(default)s)")
-    p.add_argument("--prefill-rows", type=int, default=2, help="requests one prefill chunk runs at once (default 2)")
+    p.add_argument("--prefill-rows", type=int, default=1,
+                   help="requests one prefill chunk runs at once (default 1: on a CPU a padded row costs as much as a real one)")
     p.add_argument("--prefix-cache", metavar="DIR", default=None,
                    help="the prefix cache's directory (default: $DSV41_PREFIX_CACHE or ~/.cache/dsv41/prefix_cache)")
     p.add_argument("--no-prefix-cache", action="store_true", help="serve without the prefix cache")
