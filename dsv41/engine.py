@@ -116,10 +116,15 @@ class Engine:
         row's next part, else the largest). prefill_rows: rows one prefill call runs (≤ slots).
       prefix_cache: a `dsv41.prefix_cache.PrefixCache` of these params and config, or None.
       observer: optional object with `on_event(name, **values)` (metrics).
+      mesh: a `jax.sharding.Mesh` to serve on (None: one device): the parameters and the cache are placed
+        by the `rules` preset of `dsv41.sharding` (`serve`: rows over every mesh axis, experts over
+        `expert`) and every step is the sharded step over all `slots` rows (a prefill chunk brings tokens
+        for its `prefill_rows` rows, the others none); slots must be a multiple of the mesh's devices.
     """
 
     def __init__(self, params, cfg, tokenizer, *, slots: int = 8, max_model_len: int | None = None,
-                 chunks=DEFAULT_CHUNKS, prefill_rows: int = 1, prefix_cache=None, observer=None):
+                 chunks=DEFAULT_CHUNKS, prefill_rows: int = 1, prefix_cache=None, observer=None, mesh=None,
+                 rules="serve"):
         if cfg.runtime.prefill_schedule != "full":
             raise ConfigError("runtime.prefill_schedule", cfg.runtime.prefill_schedule,
                               "expected 'full' for serving: the engine prefills rows in interleaved chunks, and CED's "
@@ -146,9 +151,18 @@ class Engine:
         self.observer = observer
         self.vocab = min(cfg.architecture.vocab_size, tokenizer.vocab_size)
         self.eos_id = getattr(tokenizer, "eos_id", None)
-        self.steps = steps.bind(params, cfg)
-        self.key = self.steps.key
-        self.cache = init_cache(cfg, slots, self.capacity)
+        self.mesh, self.rules = mesh, rules
+        if mesh is None:
+            self.steps = steps.bind(params, cfg)
+            self.cache = init_cache(cfg, slots, self.capacity)
+        else:
+            from dsv41 import sharding
+
+            if slots % mesh.devices.size:
+                raise ConfigError("slots", slots, f"expected a multiple of the mesh's {mesh.devices.size} devices "
+                                  "(the cache's rows are split over them)")
+            self.params = params = sharding.shard_params(params, cfg, mesh, rules)
+            self.cache = sharding.init_cache(cfg, mesh, rules, batch=slots, max_len=self.capacity)
         self.empty_row = init_cache(cfg, 1, self.capacity)
         self.lengths = np.zeros(slots, np.int64)                     # host mirror of the rows' lengths
         self.recent = np.asarray(host_view(self.cache).recent_tokens).copy()
@@ -233,7 +247,13 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stop:
-            if not self.step():
+            try:
+                busy = self.step()
+            except Exception as e:  # never let one bad step end the loop: its requests fail, the rest go on
+                log.exception("engine step failed")
+                self._reset_after_failure(f"{type(e).__name__}: {e}")
+                continue
+            if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
 
@@ -287,7 +307,7 @@ class Engine:
             if r.save_at <= n or infos[0].rings == "replay":
                 r.save_at = 0  # nothing new to save, or a replayed (approximate) row, which never saves
         view = host_view(row)
-        self.cache = _put_row(self.cache, jnp.asarray([slot], jnp.int32), row)
+        self._put(slot, row)
         self.lengths[slot] = n
         self.recent[slot] = view.recent_tokens[0]
         seed = r.params.seed if r.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
@@ -334,16 +354,50 @@ class Engine:
             tokens = self._sample(logits, [r.slot for r in chosen] + [None] * (self.prefill_rows - len(chosen)),
                                   [len(r.generated) for r in chosen] + [0] * (self.prefill_rows - len(chosen)))
             for i, r in zip(complete, rows_done):
-                self._take(r, int(tokens[i]))
+                self._take_or_fail(r, int(tokens[i]))
 
     def _run_prefill(self, rows, tokens, counts):
+        """The prefill step on cache rows `rows` (tokens [P, S], counts [P]): logits [P, V]."""
+        if self.mesh is not None:  # the sharded step runs every row; the others bring no tokens
+            tokens_B = np.zeros((self.slots, tokens.shape[1]), np.int32)
+            counts_B = np.zeros(self.slots, np.int32)
+            tokens_B[rows], counts_B[rows] = tokens, counts
+            return self._step_all(tokens_B, counts_B)[np.asarray(rows)]
         held = self.lengths[rows]
         ids, recent = steps.engram_inputs(self.cfg, self.recent[rows], tokens, counts, held)
-        logits, self.cache = _prefill_rows(self.key, self.steps.treedef, self.steps.leaves, self.cache,
+        logits, self.cache = _prefill_rows(self.steps.key, self.steps.treedef, self.steps.leaves, self.cache,
                                            jnp.asarray(rows, jnp.int32), tokens, counts, ids)
         self.lengths[rows] = held + counts
         self.recent[rows] = recent
         return logits
+
+    def _step_all(self, tokens_BS, counts_B):
+        """The step over every row of the cache (row b: its first counts_B[b] tokens): logits [B, V]."""
+        cache = with_mirror(self.cache, self.lengths, self.recent)
+        if self.mesh is None:
+            logits, cache = self.steps.prefill(cache, tokens_BS, counts_B)
+        else:
+            from dsv41 import sharding
+
+            logits, cache = sharding.prefill(self.params, self.cfg, cache, tokens_BS, counts_B, mesh=self.mesh,
+                                             rules=self.rules)
+        view = host_view(cache)
+        self.cache, self.lengths, self.recent = cache, view.lengths.copy(), view.recent_tokens.copy()
+        return logits
+
+    def _put(self, slot: int, row) -> None:
+        """Replaces cache row `slot` by the one-row cache `row`."""
+        if self.mesh is None:
+            self.cache = _put_row(self.cache, jnp.asarray([slot], jnp.int32), row)
+            return
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from dsv41 import sharding
+
+        row = jax.device_put(row, NamedSharding(self.mesh, PartitionSpec()))
+        cache = _put_row(self.cache, jax.device_put(jnp.asarray([slot], jnp.int32), NamedSharding(self.mesh,
+                                                                                                   PartitionSpec())), row)
+        self.cache = sharding.shard_cache(cache, self.cfg, self.mesh, self.rules)
 
     def _save(self, r: Request) -> None:
         """Saves r's prompt blocks up to its save point (the row is there now) to the prefix cache."""
@@ -360,19 +414,16 @@ class Engine:
         live = np.array([r is not None and not r.prefilling for r in self.running])
         tokens = np.array([r.generated[-1] if live[s] else 0 for s, r in enumerate(self.running)], np.int32)
         try:
-            cache = with_mirror(self.cache, self.lengths, self.recent)
-            logits, cache = self.steps.prefill(cache, tokens[:, None], live.astype(np.int32))
+            logits = self._step_all(tokens[:, None], live.astype(np.int32))
         except Exception as e:
             log.exception("decode step failed")
             self._reset_after_failure(f"{type(e).__name__}: {e}")
             return
-        view = host_view(cache)
-        self.cache, self.lengths, self.recent = cache, view.lengths.copy(), view.recent_tokens.copy()
         self.counts["decode_steps"] += 1
         slots = [s if live[s] else None for s in range(self.slots)]
         drawn = self._sample(logits, slots, [len(r.generated) if live[s] else 0 for s, r in enumerate(self.running)])
         for s in np.flatnonzero(live):
-            self._take(self.running[s], int(drawn[s]))
+            self._take_or_fail(self.running[s], int(drawn[s]))
 
     def _sample(self, logits, slots, steps_done):
         """Each row's next id with its slot's settings (rows of slot None: greedy, ignored)."""
@@ -383,6 +434,13 @@ class Engine:
         keys = np.stack([self.keys[0] if s is None else self.keys[s] for s in slots])
         return np.asarray(_sample(logits, keys, temp, top_k, top_p, np.int32(self.vocab),
                                   np.asarray(steps_done, np.int32)))
+
+    def _take_or_fail(self, r: Request, token: int) -> None:
+        try:
+            self._take(r, token)
+        except Exception as e:  # e.g. the tokenizer refused an id: this request ends, the others go on
+            log.exception("request %s: could not take token %d", r.id, token)
+            self._fail([r], f"{type(e).__name__}: {e}")
 
     def _take(self, r: Request, token: int) -> None:
         """Adds a sampled id to r: its text, a stop, or the end of its budget."""
@@ -458,7 +516,12 @@ class Engine:
         """A failed step may have consumed the donated cache: the running requests end with the error, and
         the engine goes on with an empty cache (the waiting requests are not affected)."""
         self._fail([r for r in self.running if r is not None], message)
-        self.cache = init_cache(self.cfg, self.slots, self.capacity)
+        if self.mesh is None:
+            self.cache = init_cache(self.cfg, self.slots, self.capacity)
+        else:
+            from dsv41 import sharding
+
+            self.cache = sharding.init_cache(self.cfg, self.mesh, self.rules, batch=self.slots, max_len=self.capacity)
         self.lengths[:] = 0
         self.recent = np.asarray(host_view(self.cache).recent_tokens).copy()
 

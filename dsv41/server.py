@@ -429,9 +429,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="a tokenizer.json (its tokenizer_config.json beside it gives the chat template and EOS); "
                         "default: UTF-8 bytes")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file (overrides the tokenizer's)")
+    p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                   help="serve on a mesh of the local devices, e.g. data=8 or data=2,expert=4 (rules `serve`: rows over "
+                        "every axis, experts over `expert`); --slots must be a multiple of the devices")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
     return p
+
+
+def _check_port(host: str, port: int) -> None:
+    import socket
+
+    from dsv41.errors import ConfigError
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise ConfigError("--port", port, f"expected a free port on {host} ({e.strerror})") from None
 
 
 def _chunks_default():
@@ -496,9 +512,14 @@ def build(args):
         from dsv41.prefix_cache import PrefixCache
 
         prefix_cache = PrefixCache(cfg, params, args.prefix_cache)
+    mesh = None
+    if args.mesh is not None:
+        from dsv41 import sharding
+
+        mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh))
     engine = Engine(params, cfg, tokenizer, slots=args.slots, max_model_len=args.max_model_len,
                     chunks=_parse_chunks(args.prefill_chunks), prefill_rows=args.prefill_rows,
-                    prefix_cache=prefix_cache)
+                    prefix_cache=prefix_cache, mesh=mesh)
     if cfg.architecture.family == schema.V41 and cfg.quant == "qat":
         per_token = accounting.kv_bytes_per_token(cfg)["total"]
         fixed = accounting.fixed_bytes_per_sequence(cfg)["total"]
@@ -516,6 +537,7 @@ def run(args) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _check_port(args.host, args.port)  # before the warm-up's minute of compiling, not after it
     engine, app = build(args)
     print(f"warming up: compiling prefill chunks {engine.chunks} x {engine.prefill_rows} rows and decode x "
           f"{engine.slots} slots ...", file=sys.stderr, flush=True)

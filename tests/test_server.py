@@ -4,6 +4,7 @@ digits hidden in each prompt, the byte tokenizer's counts (a UTF-8 byte is a tok
 served alone and cold."""
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import socket
@@ -29,21 +30,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+@contextlib.contextmanager
+def running_server(tmp_path_factory, *extra, env=()):
+    """A `dsv41 serve` subprocess on a free port (the passkey model, two API keys); yields its base URL and
+    stops it on exit."""
     import jax
     import requests
 
     port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    environ = {**os.environ, "JAX_PLATFORMS": "cpu", **dict(env)}
     cache_dir = jax.config.jax_compilation_cache_dir  # the test session's persistent compilation cache, if on
-    env["DSV41_COMPILE_CACHE"] = cache_dir or "off"
-    cmd = [sys.executable, "-m", "dsv41", "serve", "--port", str(port), "--slots", "8", "--prefill-chunks", "64,512",
+    environ["DSV41_COMPILE_CACHE"] = cache_dir or "off"
+    cmd = [sys.executable, "-m", "dsv41", "serve", "--port", str(port), "--prefill-chunks", "64,512",
            "--max-model-len", str(MAX_LEN), "--prefix-cache", str(tmp_path_factory.mktemp("prefix_cache")),
-           *[a for k in KEYS for a in ("--api-key", k)]]
+           *[a for k in KEYS for a in ("--api-key", k)], *extra]
     log = tmp_path_factory.mktemp("server") / "server.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -64,6 +67,12 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory, "--slots", "8") as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +247,22 @@ def test_a_client_that_goes_away_frees_its_slot_and_no_program_compiles_under_lo
     assert health and set(health) == {200}
     assert _metric(server, "dsv41_compiles_after_warmup_total") == 0
     assert _metric(server, "dsv41_request_errors_total") == 0
+
+
+def test_a_server_on_a_mesh_of_eight_devices_answers_like_one_device(tmp_path_factory, client):
+    """`--mesh data=2,expert=4` on 8 simulated CPU devices: the sharded steps (rows over data × expert,
+    experts over expert) serve the same passkey prompts; greedy answers equal the one-device server's."""
+    import openai
+
+    prompts, answers = _prompts(1024, 8, seed=41)
+    ask = lambda c, p: c.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0).choices[0].text
+    one_device = [ask(client, p) for p in prompts]
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    with running_server(tmp_path_factory, "--slots", "8", "--mesh", "data=2,expert=4", "--no-prefix-cache",
+                        env={"XLA_FLAGS": flags}) as base:
+        mesh = openai.OpenAI(base_url=base + "/v1", api_key=KEYS[0], max_retries=0, timeout=300)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            on_mesh = list(pool.map(lambda p: ask(mesh, p), prompts))
+        assert _metric(base, "dsv41_compiles_after_warmup_total") == 0
+    assert on_mesh == one_device
+    assert sum(a == b for a, b in zip(on_mesh, answers)) >= 7
