@@ -15,6 +15,7 @@ every check runs before a 200 is sent.
 
 import argparse
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -27,6 +28,7 @@ from dsv41.engine import ContextLengthError, Event, Request, SamplingParams
 
 log = logging.getLogger("dsv41.server")
 
+STARTED = int(time.time())  # /v1/models' "created": when this server started
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -243,7 +245,7 @@ def create_app(engine, tokenizer, chat_template, *, model_name: str, api_keys=()
     @app.get("/v1/models")
     async def models(request: HTTPRequest):
         authorise(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": CREATED,
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": STARTED,
                                             "owned_by": "dsv41", "max_model_len": engine.max_model_len,
                                             "context_window": engine.max_model_len}]}
 
@@ -258,7 +260,7 @@ def create_app(engine, tokenizer, chat_template, *, model_name: str, api_keys=()
         else:
             prompt, where = _prompt_ids(body.get("prompt"), tokenizer), "prompt"
         if params.max_tokens == -1:
-            params = _replace(params, max_tokens=max(1, engine.max_model_len - len(prompt)))
+            params = dataclasses.replace(params, max_tokens=max(1, engine.max_model_len - len(prompt)))
         try:
             engine.check(prompt, params)
         except ContextLengthError as e:
@@ -290,15 +292,6 @@ def create_app(engine, tokenizer, chat_template, *, model_name: str, api_keys=()
         return await generate(request, chat=True)
 
     return app
-
-
-CREATED = int(time.time())
-
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    import dataclasses
-
-    return dataclasses.replace(params, **changes)
 
 
 def _prompt_ids(prompt, tokenizer) -> list[int]:
