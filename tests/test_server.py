@@ -258,8 +258,9 @@ def test_a_server_on_a_mesh_of_eight_devices_answers_like_one_device(tmp_path_fa
     ask = lambda c, p: c.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0).choices[0].text
     one_device = [ask(client, p) for p in prompts]
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    # One prefill width (the prompts fit one chunk of 1,024): each sharded program costs a compile.
     with running_server(tmp_path_factory, "--slots", "8", "--mesh", "data=2,expert=4", "--no-prefix-cache",
-                        env={"XLA_FLAGS": flags}) as base:
+                        "--prefill-chunks", "1024", env={"XLA_FLAGS": flags}) as base:
         mesh = openai.OpenAI(base_url=base + "/v1", api_key=KEYS[0], max_retries=0, timeout=300)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             on_mesh = list(pool.map(lambda p: ask(mesh, p), prompts))
