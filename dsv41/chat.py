@@ -36,18 +36,11 @@ class ChatTemplate:
     @classmethod
     def from_tokenizer_config(cls, path) -> "ChatTemplate":
         """The template of a tokenizer_config.json (ValueError naming the file if it has none)."""
-        try:
-            config = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"tokenizer_config: {str(path)!r}: expected a readable JSON file ({e})") from e
-        source = config.get("chat_template")
-        if isinstance(source, list):
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default")
-        if not isinstance(source, str):
+        template, _ = read_tokenizer_config(path)
+        if template is None:
             raise ValueError(f"tokenizer_config: {str(path)!r}: expected a 'chat_template' string (or a list with "
                              "one named 'default')")
-        return cls(source, bos_token=_token_text(config.get("bos_token")), eos_token=_token_text(config.get("eos_token")))
+        return template
 
     @classmethod
     def from_file(cls, path) -> "ChatTemplate":
@@ -65,6 +58,22 @@ class ChatTemplate:
                                         bos_token=self.bos_token, eos_token=self.eos_token)
         except TemplateError as e:
             raise ValueError(f"messages: the chat template refused them: {e}") from e
+
+
+def read_tokenizer_config(path) -> tuple["ChatTemplate | None", str]:
+    """(its chat template or None, its EOS token's text or "") of a tokenizer_config.json."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"tokenizer_config: {str(path)!r}: expected a readable JSON file ({e})") from e
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    eos = _token_text(config.get("eos_token"))
+    if not isinstance(source, str) or not source:
+        return None, eos
+    return ChatTemplate(source, bos_token=_token_text(config.get("bos_token")), eos_token=eos), eos
 
 
 def _token_text(token) -> str:

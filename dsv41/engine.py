@@ -205,8 +205,8 @@ class Engine:
         bad = [t for t in p.stop_token_ids if not 0 <= t < self.vocab]
         if bad:
             raise ValueError(f"stop_token_ids: {bad[:8]}: expected ids in 0..{self.vocab - 1}")
-        if p.seed is not None and not 0 <= p.seed < 2 ** 63:
-            raise ValueError(f"seed: {p.seed!r}: expected an integer in 0..2^63-1")
+        if p.seed is not None and (isinstance(p.seed, bool) or not isinstance(p.seed, int) or not 0 <= p.seed < 2 ** 32):
+            raise ValueError(f"seed: {p.seed!r}: expected an integer in 0..{2 ** 32 - 1} (as `generate` takes)")
 
     def submit(self, request: Request) -> Request:
         """Queues a request (checked first: raises ValueError / ContextLengthError); thread-safe."""
@@ -310,7 +310,7 @@ class Engine:
         self._put(slot, row)
         self.lengths[slot] = n
         self.recent[slot] = view.recent_tokens[0]
-        seed = r.params.seed if r.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        seed = r.params.seed if r.params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self.keys[slot] = _key_data(seed)
         r.slot, r.cached, r.done_tokens = slot, n, n
         self.running[slot] = r
@@ -454,11 +454,12 @@ class Engine:
         r.generated.append(token)
         self.counts["generated_tokens"] += 1
         p = r.params
-        if token in p.stop_token_ids or token == self.eos_id:
-            self._emit_text(r, final=True)
-            return self._finish(r, "stop")
         if r.stream is None:
             r.stream = self.tokenizer.stream()
+        if token in p.stop_token_ids or token == self.eos_id:  # not part of the output
+            r.text += r.stream.flush()
+            self._emit_text(r, final=True)
+            return self._finish(r, "stop")
         r.text += r.stream.step(token)
         hit = _first_stop(r.text, p.stop, r.sent)
         if hit is not None:
@@ -574,8 +575,8 @@ class ContextLengthError(ValueError):
 
     def __init__(self, prompt: int, max_tokens: int, limit: int):
         super().__init__(f"This model's maximum context length is {limit} tokens. However, you requested "
-                         f"{prompt + max_tokens} tokens ({prompt} in the messages, {max_tokens} in the "
-                         "completion). Please reduce the length of the messages or completion.")
+                         f"{prompt + max_tokens} tokens ({prompt} in the prompt, {max_tokens} in the "
+                         "completion). Please reduce the length of the prompt or of the completion.")
         self.limit = limit
 
 
@@ -596,7 +597,7 @@ def _key_shape():
 
 def _key_data(seed: int) -> np.ndarray:
     """The request's key: row 0 of `generate(seed=…)` (fold_in(key(seed), 0)), as raw key data."""
-    return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed % 2 ** 32), 0)))
+    return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0)))
 
 
 @jax.jit

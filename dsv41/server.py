@@ -24,6 +24,7 @@ import sys
 import time
 import uuid
 
+from dsv41.chat import ROLES
 from dsv41.engine import ContextLengthError, Event, Request, SamplingParams
 
 log = logging.getLogger("dsv41.server")
@@ -102,7 +103,7 @@ def sampling_params(body: dict, *, chat: bool) -> SamplingParams:
         top_p=float(_field(body, "top_p", number, 1.0, check=lambda v: 0 < v <= 1, expected="a number in (0, 1]")),
         top_k=max(0, _field(body, "top_k", int, 0, check=lambda v: v >= -1, expected="an integer >= -1 (-1, 0: all)")),
         stop=tuple(stop or ()), stop_token_ids=tuple(ids),
-        seed=_field(body, "seed", int, None, check=lambda v: 0 <= v < 2 ** 63, expected="an integer in 0..2^63-1"))
+        seed=_field(body, "seed", int, None, check=lambda v: 0 <= v < 2 ** 32, expected=f"an integer in 0..{2 ** 32 - 1}"))
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -113,9 +114,9 @@ def chat_messages(body: dict) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool", "developer"):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise APIError(400, f"{where}: {json.dumps(m)[:200]} is not valid: expected an object with 'role' one of "
-                           "system, user, assistant, tool, developer", param=f"{where}.role", code="invalid_value")
+                           f"{', '.join(ROLES)}", param=f"{where}.role", code="invalid_value")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -254,8 +255,7 @@ def create_app(engine, tokenizer, chat_template, *, model_name: str, api_keys=()
         body = await read_body(request)
         params = sampling_params(body, chat=chat)
         if chat:
-            text = chat_template.render(chat_messages(body)) if chat_template else None
-            prompt = tokenizer.encode(text)
+            prompt = tokenizer.encode(chat_template.render(chat_messages(body)))
             where = "messages"
         else:
             prompt, where = _prompt_ids(body.get("prompt"), tokenizer), "prompt"
@@ -466,7 +466,7 @@ def build(args):
     import jax
 
     from dsv41 import accounting, cache as cache_lib, config as config_lib, schema
-    from dsv41.chat import ChatTemplate
+    from dsv41.chat import ChatTemplate, read_tokenizer_config
     from dsv41.engine import Engine
     from dsv41.tokenizer import load_tokenizer
 
@@ -490,12 +490,8 @@ def build(args):
     if args.tokenizer is not None:
         config_path = os.path.join(os.path.dirname(os.path.abspath(args.tokenizer)), "tokenizer_config.json")
         if os.path.exists(config_path):
-            with open(config_path) as f:
-                tconf = json.load(f)
-            if tconf.get("chat_template"):
-                template = ChatTemplate.from_tokenizer_config(config_path)
-            eos = tconf.get("eos_token")
-            eos = eos.get("content") if isinstance(eos, dict) else eos
+            found, eos = read_tokenizer_config(config_path)
+            template = found or template
             if eos:
                 tokenizer.eos_id = tokenizer.token_id(eos)
     if args.chat_template is not None:

@@ -123,4 +123,5 @@ def test_requests_the_engine_cannot_serve_are_refused_by_name(engine):
     assert refused([1], top_p=0).startswith("top_p: 0")
     assert refused([1], top_k=-2).startswith("top_k: -2")
     assert refused([1], stop_token_ids=(999,)).startswith("stop_token_ids: [999]")
+    assert refused([1], seed=2 ** 32).startswith("seed: 4294967296")  # generate's keys take 32-bit seeds
     assert engine.stats()["waiting"] == 0
