@@ -1,7 +1,7 @@
 """The inference cache (DESIGN §6): one explicit pytree, outside the modules, in the stored formats.
 
-Per Full layer (the layers that own a compressor): the packed FP4 main entries with their E4M3
-scales, the packed FP4 indexer keys with their UE8M0 scales, both [B, max_len // ratio, ·], and the
+Per Full layer (the layers that own a compressor): the packed FP4 main entries (FP8, one code a byte,
+with `kv_cache.global_kv_dtype: fp8`) with their E4M3 scales, the packed FP4 indexer keys with their UE8M0 scales, both [B, max_len // ratio, ·], and the
 compressor leftovers (fp32 wkv·x and wgate·x of the tokens of the unfinished group), stacked like the
 parameters: one `CompressedKV` per stack slot that owns a compressor (`store_slots`), each leaf with a
 leading layers axis [G, B, ·] over the stack's groups, so a scanned layer reads and writes its own
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41 import accounting, quant, schema
+from dsv41 import accounting, kv_store, quant, schema
 from dsv41.errors import ConfigError
 from dsv41.nn import policy as policy_lib
 from dsv41.plan import layer_plan, layer_slot, layer_stacks
@@ -48,7 +48,7 @@ class CompressedKV:
     the stack's groups; below, one layer's shapes. The float cache holds entries [B, T, K] and index_keys
     [B, T, dI] in the compute dtype and scale leaves [B, T, 0])."""
 
-    entries: jax.Array        # uint8 [B, T, K/2]     FP4 E2M1, two per byte (even element low nibble)
+    entries: jax.Array        # uint8 [B, T, K/2]     FP4 E2M1, two per byte (even element low nibble); FP8: [B, T, K]
     entry_scales: jax.Array   # uint8 [B, T, K/16]     the bits of E4M3 scales
     index_keys: jax.Array     # uint8 [B, T, dI/2]    FP4 E2M1
     index_scales: jax.Array   # uint8 [B, T, dI/32]    the bits of UE8M0 scales
@@ -163,8 +163,10 @@ def _shapes(cfg, batch: int, max_len: int) -> dict:
     k, w = a.head_dim, cfg.kv_cache.swa_window_size
     d_i = cfg.csa2.indexer.head_dim
     packed = cfg.quant == "qat"
-    # Packed: two FP4 codes a byte and one scale per block; float (quant none): one value an element.
+    # Packed: two FP4 codes a byte (FP8 main entries: one) and one scale per block; float (quant none): one
+    # value an element.
     dtype, per_element = (jnp.uint8, 2) if packed else (policy_lib.from_config(cfg).compute_dtype, 1)
+    per_entry = (1 if kv_store.main_kv_format(cfg) == quant.FP8_E4M3_16 else 2) if packed else 1
 
     def scales(width, fmt):
         return width // quant.BLOCK[fmt] if packed else 0
@@ -176,7 +178,7 @@ def _shapes(cfg, batch: int, max_len: int) -> dict:
             continue
         t = max_len // r.ratio
         compressed.append(CompressedKV(
-            entries=_sds((batch, t, k // per_element), dtype),
+            entries=_sds((batch, t, k // per_entry), dtype),
             entry_scales=_sds((batch, t, scales(k, quant.FP4_E4M3_16)), jnp.uint8),
             index_keys=_sds((batch, t, d_i // per_element), dtype),
             index_scales=_sds((batch, t, scales(d_i, quant.MXFP4)), jnp.uint8),

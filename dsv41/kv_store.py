@@ -1,7 +1,7 @@
 """The cache's stores as a layer reads and writes them (DESIGN §3.8, §6): ring slots, rows, bytes to floats.
 
 A store is a [B, T, ...] leaf of `cache.Cache`: the FP8 window ring (slot p % W holds position p), a Full
-layer's FP4 entries with their E4M3 scale bytes and its MXFP4 indexer keys with their UE8M0 scale bytes,
+layer's FP4 (or, with `kv_cache.global_kv_dtype: fp8`, FP8) entries with their E4M3 scale bytes and its MXFP4 indexer keys with their UE8M0 scale bytes,
 the one-byte codes kept as uint8 (`quant.to_bytes`). The float cache (`quant: none`, V4 compat) holds the
 values themselves, which the dequantisers pass through. Plain JAX over `dsv41.quant`: the cached attention
 step (`nn.attention.Attention.step`) and the kernels' references (`dsv41.kernels`) read the stores through these.
@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dsv41 import quant
+from dsv41.errors import ConfigError
 
 
 def _rows(x):
@@ -98,12 +99,58 @@ def packed(store) -> bool:
     return store.dtype == jnp.uint8
 
 
+# The main KV formats the packed cache stores, by (kv_cache.global_kv_dtype, kv_cache.global_kv_scale).
+MAIN_KV_FORMATS = {
+    ("fp4_e2m1", "e4m3_per_16_channel"): quant.FP4_E4M3_16,
+    ("fp8", "e4m3_per_16_channel"): quant.FP8_E4M3_16,
+    ("fp8_e4m3", "e4m3_per_16_channel"): quant.FP8_E4M3_16,
+}
+# The window and indexer key formats it stores (one each), by (dtype, scale) as the config names them.
+WINDOW_FORMATS = {("fp8", "ue8m0_per_32_channel"), ("fp8_e4m3", "ue8m0_per_32_channel")}
+INDEX_FORMATS = {("fp4_e2m1", "ue8m0_per_32_channel")}
+
+
+def main_kv_format(cfg) -> str:
+    """The `quant` format of the packed cache's main entries (V4.1 with `quant: qat`): FP4 E2M1 (shipped) or FP8
+    E4M3, each with an E4M3 scale per 16 channels. Raises ConfigError for a `kv_cache` format the packed cache
+    cannot store as the byte accounting counts it (the accounting itself takes any format)."""
+    kv = cfg.kv_cache
+    fmt = MAIN_KV_FORMATS.get((kv.global_kv_dtype, kv.global_kv_scale))
+    if fmt is None:
+        raise ConfigError("kv_cache.global_kv_dtype", f"{kv.global_kv_dtype} / {kv.global_kv_scale}",
+                          "expected a main KV format the cache stores: " + ", ".join(f"{d} with {s}" for d, s in MAIN_KV_FORMATS))
+    checks = [("kv_cache.global_kv_rope_dtype", kv.global_kv_rope_dtype, None),
+              ("kv_cache.global_kv_entry_align_bytes", kv.global_kv_entry_align_bytes, 1)]
+    for field, value, want in checks:
+        if value != want:
+            raise ConfigError(field, value, f"expected {want} (the V4.1 cache stores the RoPE dims like the rest, unpadded)")
+    if (kv.swa_kv_dtype, kv.swa_kv_scale) not in WINDOW_FORMATS:
+        raise ConfigError("kv_cache.swa_kv_dtype", f"{kv.swa_kv_dtype} / {kv.swa_kv_scale}",
+                          "expected fp8 with ue8m0_per_32_channel, the window format the cache stores")
+    if (kv.index_kv_dtype, kv.index_kv_scale) not in INDEX_FORMATS:
+        raise ConfigError("kv_cache.index_kv_dtype", f"{kv.index_kv_dtype} / {kv.index_kv_scale}",
+                          "expected fp4_e2m1 with ue8m0_per_32_channel, the indexer key format the cache stores")
+    return fmt
+
+
 def dequant_entries(packed_values, scale_bytes):
-    """FP4 main entries (+ E4M3 scale bytes) -> float32; the float cache's entries as they are."""
+    """Main entries as stored (+ E4M3 scale bytes, one per 16 channels) -> float32: FP4 (two codes a byte, so
+    the bytes are 8 per scale) or FP8 (16 per scale); the float cache's entries as they are."""
     if not packed(packed_values):
         return packed_values
-    return quant.dequantize_fp4_e4m3_16(quant.unpack_fp4(packed_values),
-                                        quant.from_bytes(scale_bytes, jnp.float8_e4m3fn))
+    scales = quant.from_bytes(scale_bytes, jnp.float8_e4m3fn)
+    if packed_values.shape[-1] == scale_bytes.shape[-1] * quant.BLOCK[quant.FP8_E4M3_16]:
+        return quant.dequantize_fp8_e4m3_16(quant.from_bytes(packed_values, jnp.float8_e4m3fn), scales)
+    return quant.dequantize_fp4_e4m3_16(quant.unpack_fp4(packed_values), scales)
+
+
+def quant_entries(entries, fmt: str):
+    """Float entries [..., K] -> (stored bytes, E4M3 scale bytes) in main KV format `fmt` (`main_kv_format`)."""
+    if fmt == quant.FP8_E4M3_16:
+        vals, scales = quant.quantize_fp8_e4m3_16(entries)
+        return quant.to_bytes(vals), quant.to_bytes(scales)
+    vals, scales = quant.quantize_fp4_e4m3_16(entries)
+    return quant.pack_fp4(vals), quant.to_bytes(scales)
 
 
 def dequant_keys(packed_values, scale_bytes):

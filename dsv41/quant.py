@@ -5,10 +5,12 @@
 | `fp4_e4m3_16`   | main global KV entry  | FP4 E2M1 | E4M3 per 16: e4m3(max(amax, 6·2^-9) / 6)         |
 | `mxfp4`         | indexer key / query   | FP4 E2M1 | UE8M0 per 32: 2^ceil(log2(max(amax, 6·2^-126)·(1/6))) |
 | `fp8_ue8m0_32`  | window KV             | FP8 E4M3 | UE8M0 per 32: 2^ceil(log2(max(amax, 1e-4)·(1/448)))   |
+| `fp8_e4m3_16`   | main entry, FP8 option | FP8 E4M3 | E4M3 per 16: e4m3(max(amax, 448·2^-9) / 448)     |
 
 The numbers are those of the PyTorch port (transformers `modeling_deepseek_v41.py`: `_fake_quant_fp4_block`,
 `_fake_quant_fp8_block`, `_pow2_ceil_scale`, run by the oracle on PyTorch 2.13 CPU), bit for bit on finite
-inputs: every product and quotient is the port's float32 one, the constants 1/6 and 1/448 are float32, values
+inputs (`fp8_e4m3_16`, the main KV of `kv_cache.global_kv_dtype: fp8`, is dsv41's own: `fp4_e4m3_16` with
+the E4M3 grid in place of E2M1, so 448 takes the place of 6): every product and quotient is the port's float32 one, the constants 1/6 and 1/448 are float32, values
 are rounded to nearest-even. Three places differ between XLA and torch and are handled below: XLA turns
 division by a constant or a broadcast into multiplication by the reciprocal; XLA CPU treats subnormal float32
 as zero, which only the `mxfp4` floor (scales down to 2^-126) can reach; torch's float32 -> E4M3 cast
@@ -26,7 +28,8 @@ from jax import lax
 FP4_E4M3_16 = "fp4_e4m3_16"
 MXFP4 = "mxfp4"
 FP8_UE8M0_32 = "fp8_ue8m0_32"
-BLOCK = {FP4_E4M3_16: 16, MXFP4: 32, FP8_UE8M0_32: 32}
+FP8_E4M3_16 = "fp8_e4m3_16"
+BLOCK = {FP4_E4M3_16: 16, MXFP4: 32, FP8_UE8M0_32: 32, FP8_E4M3_16: 16}
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -136,6 +139,26 @@ def dequantize_fp4_e4m3_16(values, scales):
     return _unblock(v * scales.astype(jnp.float32)[..., None])
 
 
+def quantize_fp8_e4m3_16(x):
+    """x [..., D] -> (E4M3 values float8_e4m3fn [..., D], E4M3 scales float8_e4m3fn [..., D/16]): the FP8 main
+    entry, scaled as `quantize_fp4_e4m3_16` with the E4M3 grid's 448 in place of E2M1's 6 (scales >= 2^-9,
+    saturating at 448 like the FP4 entry's)."""
+    b = _blocks(x, BLOCK[FP8_E4M3_16])
+    amax = jnp.max(jnp.abs(b), axis=-1)
+    t = _divide(jnp.maximum(amax, E4M3_MAX * 2.0**-9), E4M3_MAX)
+    scales = jnp.minimum(t, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    q = jnp.clip(_divide(b, scales.astype(jnp.float32)[..., None]), -E4M3_MAX, E4M3_MAX)
+    return _unblock(q.astype(jnp.float8_e4m3fn)), scales
+
+
+def dequantize_fp8_e4m3_16(values, scales):
+    """(float8_e4m3fn [..., D], float8_e4m3fn [..., D/16]) -> float32 [..., D]."""
+    block = BLOCK[FP8_E4M3_16]
+    _check_scales(values, scales, block)
+    v = values.astype(jnp.float32).reshape(*scales.shape, block)
+    return _unblock(v * scales.astype(jnp.float32)[..., None])
+
+
 def quantize_mxfp4(x):
     """x [..., D] -> (E2M1 values float4_e2m1fn [..., D], UE8M0 scales float8_e8m0fnu [..., D/32])."""
     b = _blocks(x, BLOCK[MXFP4])
@@ -206,6 +229,7 @@ _CODECS = {
     FP4_E4M3_16: (quantize_fp4_e4m3_16, dequantize_fp4_e4m3_16),
     MXFP4: (quantize_mxfp4, dequantize_mxfp4),
     FP8_UE8M0_32: (quantize_fp8_ue8m0_32, dequantize_fp8_ue8m0_32),
+    FP8_E4M3_16: (quantize_fp8_e4m3_16, dequantize_fp8_e4m3_16),
 }
 
 

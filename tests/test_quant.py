@@ -81,15 +81,31 @@ def ref_fp8(x):
     return value.view(np.uint8).reshape(x.shape), (k + 127).astype(np.uint8), deq.reshape(x.shape)
 
 
-REFERENCE = {quant.FP4_E4M3_16: ref_fp4_e4m3_16, quant.MXFP4: ref_mxfp4, quant.FP8_UE8M0_32: ref_fp8}
+@np.errstate(over="ignore")
+def ref_fp8_e4m3_16(x):
+    """dsv41's FP8 main entry (no port has one): the FP4 entry's recipe with E4M3 values, 448 in place of 6.
+    (E4M3 bytes, E4M3 scale bytes, dequantised float32)."""
+    b = x.astype(F64).reshape(*x.shape[:-1], -1, 16)
+    amax = np.abs(b).max(-1)
+    scale = torch_e4m3(F32(np.maximum(amax, E4M3_MAX * 2.0**-9) / E4M3_MAX))
+    s = scale.astype(F64)[..., None]
+    value = np.clip(F32(b / s), -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+    deq = F32(value.astype(F64) * s)
+    return value.view(np.uint8).reshape(x.shape), scale.view(np.uint8), deq.reshape(x.shape)
+
+
+REFERENCE = {quant.FP4_E4M3_16: ref_fp4_e4m3_16, quant.MXFP4: ref_mxfp4, quant.FP8_UE8M0_32: ref_fp8,
+             quant.FP8_E4M3_16: ref_fp8_e4m3_16}
 # Jitted once here: eager dispatch compiles every primitive separately and would dominate the run time.
 QUANTIZE = {quant.FP4_E4M3_16: jax.jit(quant.quantize_fp4_e4m3_16), quant.MXFP4: jax.jit(quant.quantize_mxfp4),
-            quant.FP8_UE8M0_32: jax.jit(quant.quantize_fp8_ue8m0_32)}
+            quant.FP8_UE8M0_32: jax.jit(quant.quantize_fp8_ue8m0_32),
+            quant.FP8_E4M3_16: jax.jit(quant.quantize_fp8_e4m3_16)}
 DEQUANTIZE = {quant.FP4_E4M3_16: jax.jit(quant.dequantize_fp4_e4m3_16), quant.MXFP4: jax.jit(quant.dequantize_mxfp4),
-              quant.FP8_UE8M0_32: jax.jit(quant.dequantize_fp8_ue8m0_32)}
+              quant.FP8_UE8M0_32: jax.jit(quant.dequantize_fp8_ue8m0_32),
+              quant.FP8_E4M3_16: jax.jit(quant.dequantize_fp8_e4m3_16)}
 FAKE_QUANT = jax.jit(quant.fake_quant, static_argnums=1)
 PACK, UNPACK = jax.jit(quant.pack_fp4), jax.jit(quant.unpack_fp4)
-WIDTH = {quant.FP4_E4M3_16: 512, quant.MXFP4: 128, quant.FP8_UE8M0_32: 512}
+WIDTH = {quant.FP4_E4M3_16: 512, quant.MXFP4: 128, quant.FP8_UE8M0_32: 512, quant.FP8_E4M3_16: 512}
 FORMATS = sorted(REFERENCE)
 
 
@@ -138,6 +154,11 @@ def midpoint_block(fmt, block, rng):
         v = sign * rng.choice(e4m3_midpoints(), block) * s
         v[0] = E4M3_MAX * s
         return v
+    if fmt == quant.FP8_E4M3_16:  # an E4M3 scale s: 448·s / 448 = s exactly
+        s = rng.choice(np.arange(8, 0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(F64))
+        v = sign * rng.choice(e4m3_midpoints(), block) * s
+        v[0] = E4M3_MAX * s
+        return v
     if fmt == quant.FP4_E4M3_16:
         s = rng.choice(np.arange(8, 0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(F64))
     else:
@@ -153,6 +174,8 @@ def scale_edges(fmt):
     block = quant.BLOCK[fmt]
     if fmt == quant.FP4_E4M3_16:  # the floor 6·2^-9, saturation at 6·448 and the tie 6·464, E4M3 ties
         points = [6 * 2.0**-9, 6 * 448.0, 6 * 464.0, 6 * 480.0, 3e38] + list(6 * e4m3_midpoints()[8:40])
+    elif fmt == quant.FP8_E4M3_16:  # the floor 448·2^-9, saturation at 448·448, E4M3 ties of the scale
+        points = [448 * 2.0**-9, 448 * 448.0, 448 * 464.0, 448 * 480.0, 3e38] + list(448 * e4m3_midpoints()[8:40])
     elif fmt == quant.MXFP4:  # the floor 6·2^-126 and powers of two times 6
         points = [6 * 2.0**-126, 2.0**-126, float(np.finfo(F32).max)] + [6 * 2.0**j for j in range(-124, 126, 7)]
     else:  # the floor 1e-4 and powers of two times 448
@@ -222,11 +245,12 @@ def test_dequantised_values_lie_on_the_grid(fmt):
     values, scales = QUANTIZE[fmt](jnp.asarray(x))
     y = np.asarray(DEQUANTIZE[fmt](values, scales), F64)
     s = np.repeat(np.asarray(scales).astype(F64), quant.BLOCK[fmt], axis=-1)
-    if fmt == quant.FP4_E4M3_16:
+    if fmt in (quant.FP4_E4M3_16, quant.FP8_E4M3_16):
         assert (np.asarray(scales).astype(ml_dtypes.float8_e4m3fn).astype(F64) == s[:, ::16]).all()
     else:
         assert (np.frexp(s)[0] == 0.5).all()  # exact powers of two
-    element = ml_dtypes.float8_e4m3fn if fmt == quant.FP8_UE8M0_32 else ml_dtypes.float4_e2m1fn
+    fp8 = fmt in (quant.FP8_UE8M0_32, quant.FP8_E4M3_16)
+    element = ml_dtypes.float8_e4m3fn if fp8 else ml_dtypes.float4_e2m1fn
     ratio = y / s
     np.testing.assert_array_equal(ratio.astype(element).astype(F64), ratio)
     if element is ml_dtypes.float4_e2m1fn:
@@ -269,6 +293,9 @@ def test_byte_counts_match_the_accounting():
     index = stored_bytes(jax.eval_shape(quant.pack_fp4, values), jax.eval_shape(quant.to_bytes, scales))
     values, scales = jax.eval_shape(quant.quantize_fp8_ue8m0_32, vector)
     window = stored_bytes(jax.eval_shape(quant.to_bytes, values), jax.eval_shape(quant.to_bytes, scales))
+    values, scales = jax.eval_shape(quant.quantize_fp8_e4m3_16, vector)
+    main_fp8 = stored_bytes(jax.eval_shape(quant.to_bytes, values), jax.eval_shape(quant.to_bytes, scales))
+    assert main_fp8 == 512 + 32 == formats.make_part("main", 512, "fp8", "e4m3_per_16_channel").bytes
     assert (main, index, window) == (256 + 32, 64 + 4, 512 + 16)
     assert (main, index, window) == (
         formats.make_part("main", 512, "fp4_e2m1", "e4m3_per_16_channel").bytes,

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41 import quant
+from dsv41 import kv_store, quant, schema
 from dsv41.kernels import dispatch
 from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, packed, ring_positions
 from dsv41.nn import indexer as ix
@@ -53,6 +53,9 @@ class Attention(nnx.Module):
         self.heads, self.head_dim, self.groups = h, k, a.o_groups
         self.window = cfg.kv_cache.swa_window_size
         self.fake_quant = cfg.quant == "qat"
+        # The main entries' stored format (FP4 shipped, FP8 by config); the float cache ignores it.
+        self.main_kv = (kv_store.main_kv_format(cfg) if self.fake_quant and a.family == schema.V41
+                        else quant.FP4_E4M3_16)
         self.kernels = cfg.runtime.kernels  # the cached step's Pallas kernels or XLA path (DESIGN §8)
         # V4's per-head query RMSNorm (unweighted); V4.1 dropped it (DESIGN §2).
         self.q_head_eps = a.norm_eps if a.q_head_norm else None
@@ -143,7 +146,7 @@ class Attention(nnx.Module):
             entry_pos = ix.entry_positions(latent, rec.ratio)
             entries = apply_rope(latent, entry_pos, cinv)
             if self.fake_quant:
-                entries = quant.fake_quant(entries, quant.FP4_E4M3_16)
+                entries = quant.fake_quant(entries, self.main_kv)
             self.sow(nnx.Intermediate, "entries", entries)
             if self.indexer is not None and self.indexer.wk is not None:
                 index_keys = self.indexer.keys(latent, entry_pos, cinv, self.fake_quant)
@@ -221,7 +224,9 @@ class Attention(nnx.Module):
         if rec.ratio:  # the compressed branch: the layer's own (V4.1 below, V4 `attention_v4`)
             (sel, sel_ok, shared, picks), stores, handoff = self.cached_compressed(
                 x_BSD, qr, positions_BS, lengths_B, counts, published, stores, entries_ready)
-            if picks is not None and (not quantised or self.kernel_impl() == "reference" or banded):
+            # The attention kernel reads FP4 entries; FP8 entries take the gathered reference path.
+            if picks is not None and (not quantised or self.kernel_impl() == "reference" or banded
+                                      or self.main_kv != quant.FP4_E4M3_16):
                 store = stores[rec.kv_source]
                 sel = dequant_entries(store.gather("entries", picks), store.gather("entry_scales", picks))
                 sel, sel_ok = sel.astype(kv.dtype), picks >= 0
@@ -262,10 +267,10 @@ class Attention(nnx.Module):
         store = store.put("leftover", leftover)
         if not packed(store.leaves["entries"]):  # the float cache: the values themselves, no scales
             return store.write("entries", entries, entry, done).write("index_keys", keys, entry, done)
-        vals, scales = quant.quantize_fp4_e4m3_16(entries)
+        vals, scales = kv_store.quant_entries(entries, self.main_kv)
         kvals, kscales = quant.quantize_mxfp4(keys)
-        return (store.write("entries", quant.pack_fp4(vals), entry, done)
-                .write("entry_scales", quant.to_bytes(scales), entry, done)
+        return (store.write("entries", vals, entry, done)
+                .write("entry_scales", scales, entry, done)
                 .write("index_keys", quant.pack_fp4(kvals), entry, done)
                 .write("index_scales", quant.to_bytes(kscales), entry, done))
 
