@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse and store the global KV of prompt prefixes in DIR (DESIGN §7; V4.1)")
     p.set_defaults(func=cmd_generate)
 
-    from dsv41 import compile_report, convert, passkey, server, train
+    from dsv41 import compile_report, convert, passkey, server, train, verify
 
     train.add_parser(sub).set_defaults(func=train.run)
     convert.add_parser(sub).set_defaults(func=convert.run)
@@ -297,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     compile_report.add_parser(sub)
     passkey.add_parser(sub)
     server.add_parser(sub)
-    for name in ("demo", "generate", "train", "passkey", "serve"):
+    verify.add_parser(sub)
+    for name in ("demo", "generate", "train", "passkey", "serve", "verify"):
         p = sub.choices[name]
         _add_compile_cache_args(p)
         p.set_defaults(compiles=True)

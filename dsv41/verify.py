@@ -1,0 +1,755 @@
+"""`dsv41 verify`: is the KV compression real, and what does it cost? One command, one report (DESIGN §15).
+
+    dsv41 verify --quick --out verify-quick          # ~5 minutes on 2 CPU cores
+    dsv41 verify --contexts 4096,8192,16384 --out verify
+    dsv41 verify --base-url http://127.0.0.1:8000/v1 --model dsv41-passkey --out verify-client
+
+It runs the trained passkey model (`configs/passkey.json` and its shipped weights; another `--config` runs
+with `--weights FILE`, or random weights, whose retrieval means nothing) and writes DIR/report.md,
+DIR/results.json and PNG plots:
+
+1. Context sweep (the shipped variant): per context, steady prefill seconds (its compile timed apart),
+   latency to the first token (`max_tokens` 1) and to the 128th (`max_tokens` 128), their difference and
+   the decode ms per token; XLA's decode FLOPs per token (the step lowered at static shapes for the
+   context) raw and precision-weighted (BF16 1, FP8 0.5, FP4 0.25: the main-entry attention and the
+   indexer's scores count as FP4, the window attention as FP8, `precision_split`), relative to 4K.
+2. Memory: the cache's bytes from its pytree against `kv_bytes_per_token × capacity + fixed` (exact for
+   the packed cache), its bytes per token measured as the difference of two capacities, and the process
+   memory (`memory_stats()` on GPU/TPU, RSS on CPU) sampled before, during and a few seconds after each
+   request, for FP4 main KV (shipped), FP8 main KV and `quant: none` (the float cache).
+3. Accuracy, compressed against uncompressed on the same prompts: passkey exact match by context × depth
+   for every variant (`VARIANTS`), and each variant's next-token logits on the answers of fixed prompts
+   against the uncompressed model's (top-1 agreement, mean KL).
+4. Doctor: the configuration mistakes that silently cost accuracy or memory (`doctor`).
+
+`--base-url` runs the client side of the same workflow against any OpenAI-compatible endpoint instead
+(`dsv41.verify_client`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dsv41 import accounting, passkey, verify_client
+from dsv41 import data as data_lib
+from dsv41.config import build, load_config
+from dsv41.errors import ConfigError
+from dsv41.plan import layer_plan
+
+NEW_TOKENS = 128  # the long request's max_tokens; the short one's is 1
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+BASE_CONTEXT = 4096  # the sweep's figures are relative to this context (else to the first)
+QUICK = dict(contexts=(1024, 4096), accuracy_contexts=(1024,), n=2, settle_s=1.0)
+FULL = dict(contexts=(2048, 4096, 8192), accuracy_contexts=(2048, 4096), n=4, settle_s=3.0)
+PLOT_SIZE = (8.0, 5.0)  # inches at PLOT_DPI: every PNG is 800 × 500 pixels
+PLOT_DPI = 100
+
+# The variants, as config overrides of the model as shipped (`capacity`: the cache's, for top-k ≥ every entry).
+VARIANTS = {
+    "shipped": ("as configured: FP4 main KV, top-k selection, candidate pool, full prefill", lambda cap: []),
+    "quant-none": ("no quantisation: the float cache, no fake-quant", lambda cap: ["quant=none"]),
+    "fp8-kv": ("FP8 main KV (E4M3, an E4M3 scale per 16) instead of FP4", lambda cap: ["kv_cache.global_kv_dtype=fp8"]),
+    "all-entries": ("every visible entry selected (top-k = the capacity, no candidate pool)",
+                    lambda cap: [f"csa2.indexer.top_k={cap}", "csa2.indexer.hierarchical.enabled=false"]),
+    "no-pool": ("no candidate pool: the Reindex layers score every entry",
+                lambda cap: ["csa2.indexer.hierarchical.enabled=false"]),
+    "ced": ("CED prefill (encoder for every token, the decoder replays the last ones)",
+            lambda cap: ["runtime.prefill_schedule=ced"]),
+    "replay": ("prefix cache: global KV restored, window rings rebuilt by bounded replay (against an exact "
+               "restore from the ring pool)", lambda cap: []),
+}
+REFERENCE = "uncompressed"  # quant none + every entry selected + no pool: what the variants are held against
+MEMORY_VARIANTS = ("shipped", "fp8-kv", "quant-none")
+
+
+def reference_overrides(cap: int) -> list[str]:
+    return ["quant=none", *VARIANTS["all-entries"][1](cap)]
+
+
+# ------------------------------------------------------------------------------------------------ doctor
+
+
+def doctor(cfg, contexts=(), measured: dict | None = None) -> list[dict]:
+    """The configuration mistakes that silently cost accuracy or memory, each {check, status, detail}
+    (status "ok", "warn" or "error"). measured: {variant: memory row} (bytes against the formula)."""
+    kv, r = cfg.kv_cache, cfg.swa_bounded_replay
+    w = kv.swa_window_size
+    out = []
+
+    def add(check, ok, detail, bad="warn"):
+        out.append({"check": check, "status": "ok" if ok else bad, "detail": detail})
+
+    add("window KV is FP8", kv.swa_kv_dtype in ("fp8", "fp8_e4m3"),
+        f"kv_cache.swa_kv_dtype = {kv.swa_kv_dtype!r}" + ("" if kv.swa_kv_dtype in ("fp8", "fp8_e4m3") else
+                                                         ": the window ring is not stored as FP8"))
+    # A replay longer than the window (a window smaller than the replay) is refused when the config loads.
+    for name in ("encoder_replay_tokens", "decoder_replay_tokens"):
+        n = r[name]
+        add(f"{name} covers the window", n >= w,
+            f"swa_bounded_replay.{name} = {n}, kv_cache.swa_window_size = {w}"
+            + ("" if n >= w else f": a replayed ring holds {n} of its {w} tokens; the rest attend nothing there"))
+    longest = max(contexts, default=0)
+    add("context window holds the prompts", longest <= cfg.context_window,
+        f"context_window = {cfg.context_window}, longest request {longest} tokens"
+        + ("" if longest <= cfg.context_window else ": the maximum-context error"), bad="error")
+    for name, row in (measured or {}).items():
+        if row.get("formula_bytes") is None:
+            add(f"{name}: cache bytes = formula", False, f"{row['config']}: the float cache holds "
+                f"{row['bytes_per_token_measured']:g} B/token, not the formats' {row['bytes_per_token_formula']:g}")
+            continue
+        same = row["cache_bytes"] == row["formula_bytes"]
+        add(f"{name}: cache bytes = formula", same,
+            f"{row['cache_bytes']:,} B measured, {row['formula_bytes']:,} B by the formula"
+            + ("" if same else ": the configured format is not what the cache stores"), bad="error")
+    return out
+
+
+def check_contexts(cfg, contexts, field: str) -> None:
+    """Refuses contexts the config cannot hold (prompt + the long request's tokens), naming the flag."""
+    for c in contexts:
+        if c < data_lib.passkey_min_length(passkey.DIGITS):
+            raise ConfigError(field, c, f"expected at least {data_lib.passkey_min_length(passkey.DIGITS)} "
+                              "tokens (the needle, the question and the answer)")
+        if c + NEW_TOKENS > cfg.context_window:
+            raise ConfigError(field, c, f"expected at most {cfg.context_window - NEW_TOKENS} tokens: context_window "
+                              f"is {cfg.context_window} and the long request adds {NEW_TOKENS} (the maximum-context "
+                              "error; raise it with --set context_window=N, within architecture.rope.max_position)")
+
+
+# ------------------------------------------------------------------------------------------------ memory sampling
+
+
+def memory_now() -> int:
+    """Bytes in use: the accelerator's (`memory_stats()`) where the backend reports it, else the process RSS."""
+    import jax
+
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if dev.platform != "cpu" else None
+    if stats and "bytes_in_use" in stats:
+        return int(stats["bytes_in_use"])
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Sampler:
+    """Samples `memory_now()` every `period_s` on a thread while in its `with` block: `.peak`, `.samples`."""
+
+    def __init__(self, period_s: float = 0.01):
+        self.period_s, self.samples, self._stop = period_s, [], threading.Event()
+
+    def __enter__(self):
+        self.samples.append(memory_now())
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(self.period_s):
+            self.samples.append(memory_now())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(memory_now())
+
+    @property
+    def peak(self) -> int:
+        return max(self.samples)
+
+
+# ------------------------------------------------------------------------------------------------ measurements
+
+
+def _cfg(base, overrides) -> object:
+    return build(base.to_dict(), list(overrides))
+
+
+def precision_split(cfg, context: int) -> dict:
+    """FLOPs per decoded token at `context` filled tokens that run on stored low-precision operands:
+    "fp4": the attention over the selected main entries (QK and PV, 4·H·K per entry) and the indexer's
+    scores against its MXFP4 keys (2·J·d per key scored: every visible entry at a Full layer, the
+    candidate pool's at a Reindex layer); "fp8": the attention over the FP8 window (4·H·K per key).
+    With `quant: none` nothing is stored low-precision and both are 0."""
+    if cfg.quant != "qat":
+        return {"fp4": 0.0, "fp8": 0.0}
+    a, ix = cfg.architecture, cfg.csa2.indexer
+    h, k = a.num_heads, a.head_dim
+    fp4 = fp8 = 0.0
+    pool = ix.hierarchical.max_blocks * ix.hierarchical.positions_per_block if ix.hierarchical.enabled else None
+    main_bits = 8 if cfg.kv_cache.global_kv_dtype in ("fp8", "fp8_e4m3") else 4
+    main = 0.0
+    for r in layer_plan(cfg):
+        fp8 += 4 * h * k * min(cfg.kv_cache.swa_window_size, context)
+        if not r.ratio:
+            continue
+        visible = context // r.ratio
+        main += 4 * h * k * (min(ix.top_k, visible) if r.selects else visible)
+        if r.mode == "full":
+            fp4 += 2 * ix.query_heads * ix.head_dim * visible
+        elif r.mode == "reindex":
+            fp4 += 2 * ix.query_heads * ix.head_dim * (min(pool, visible) if pool else visible)
+    if main_bits == 8:
+        fp8 += main
+    else:
+        fp4 += main
+    return {"fp4": fp4, "fp8": fp8}
+
+
+def decode_flops(cfg, capacity: int) -> dict:
+    """XLA's decode FLOPs per token (the step lowered at static shapes for this capacity, every loop unrolled:
+    `compile_report.lowered_flops_per_token`) and the precision-weighted count."""
+    from dsv41 import compile_report
+
+    raw = compile_report.lowered_flops_per_token(cfg, batch=1, context=capacity, weights="bf16")
+    split = precision_split(cfg, capacity)
+    rest = raw - split["fp4"] - split["fp8"]
+    return {"raw": raw, "fp4": split["fp4"], "fp8": split["fp8"],
+            "weighted": rest + 0.5 * split["fp8"] + 0.25 * split["fp4"]}
+
+
+def request(params, cfg, prompt, *, capacity: int, chunk: int, settle_s: float) -> dict:
+    """One request the way a server runs it, on a fresh cache of `capacity`: the prompt prefilled in chunks,
+    then NEW_TOKENS greedy tokens (the first from the prefill's logits). A warm-up of the same programs on a
+    scratch cache comes first (compile_s). Process memory is sampled before, during and settle_s after."""
+    import jax
+
+    from dsv41 import cache as cache_lib
+    from dsv41 import generate, steps
+
+    bound = steps.bind(params, cfg)
+    t = time.perf_counter()
+    scratch = cache_lib.init_cache(cfg, 1, capacity)
+    logits, scratch = generate.prefill_chunked(params, cfg, scratch, [prompt], chunk=chunk)
+    _, scratch = bound.decode(scratch, np.asarray(jax.numpy.argmax(logits, -1)))
+    jax.block_until_ready(scratch)
+    compile_s = time.perf_counter() - t
+    del scratch, logits
+
+    before = memory_now()
+    with Sampler() as sampler:
+        t0 = time.perf_counter()
+        cache = cache_lib.init_cache(cfg, 1, capacity)
+        logits, cache = generate.prefill_chunked(params, cfg, cache, [prompt], chunk=chunk)
+        token = np.asarray(jax.numpy.argmax(logits, -1))
+        t1 = time.perf_counter()
+        for _ in range(NEW_TOKENS - 1):
+            logits, cache = bound.decode(cache, token)
+            token = np.asarray(jax.numpy.argmax(logits, -1))
+        t2 = time.perf_counter()
+        cache_bytes = cache_lib.nbytes(cache)
+    held = int(cache_lib.host_view(cache).lengths[0])
+    del cache, logits
+    time.sleep(settle_s)  # frees are asynchronous: the figure after the request is taken once they are done
+    after = memory_now()
+    return {"compile_s": compile_s, "prefill_s": t1 - t0, "latency_1_s": t1 - t0, "latency_128_s": t2 - t0,
+            "decode_ms_per_token": 1e3 * (t2 - t1) / (NEW_TOKENS - 1), "tokens_held": held,
+            "cache_bytes": cache_bytes, "memory": {"before": before, "peak_during": sampler.peak, "after": after,
+                                                   "source": _memory_source()}}
+
+
+def _memory_source() -> str:
+    import jax
+
+    dev = jax.devices()[0]
+    return f"{dev.platform} memory_stats bytes_in_use" if dev.platform != "cpu" else "process RSS (/proc/self/statm)"
+
+
+def sweep(params, cfg, contexts, *, chunk: int, seed: int, settle_s: float, progress) -> list[dict]:
+    """The context sweep of the shipped variant: one request per context (the needle at depth 0.5)."""
+    from dsv41.generate import cache_length
+
+    rows = []
+    for c in contexts:
+        cap = cache_length(cfg, c + NEW_TOKENS)
+        prompt = passkey.examples(c, 0.5, 1, seed)[0][0]
+        row = {"context": c, "prompt_tokens": len(prompt), "capacity": cap,
+               **request(params, cfg, prompt, capacity=cap, chunk=chunk, settle_s=settle_s)}
+        row["latency_difference_s"] = row["latency_128_s"] - row["latency_1_s"]
+        row["decode_flops"] = decode_flops(cfg, cap)
+        rows.append(row)
+        progress(f"sweep: context {c}: prefill {row['prefill_s']:.2f} s, decode {row['decode_ms_per_token']:.2f} "
+                 f"ms/token (compile {row['compile_s']:.1f} s)")
+    base = next((r for r in rows if r["context"] == BASE_CONTEXT), rows[0])
+    for r in rows:
+        for key in ("prefill_s", "decode_ms_per_token", "latency_1_s", "latency_128_s"):
+            r[f"{key}_relative"] = r[key] / base[key]
+        for key in ("raw", "weighted"):
+            r["decode_flops"][f"{key}_relative"] = r["decode_flops"][key] / base["decode_flops"][key]
+    return rows
+
+
+def memory(params, cfg, contexts, variants, *, chunk: int, seed: int, settle_s: float, sweep_rows, progress):
+    """Bytes per token and measured memory per variant: the cache pytree against the formula at each context's
+    capacity, bytes per token from two capacities, and a request's process memory at the longest context."""
+    from dsv41 import cache as cache_lib
+    from dsv41.generate import cache_length
+
+    out = {}
+    longest = max(contexts)
+    for name in variants:
+        vcfg = _cfg(cfg, VARIANTS[name][1](0))
+        per_token = accounting.kv_bytes_per_token(vcfg)["total"]
+        fixed = accounting.fixed_bytes_per_sequence(vcfg)["total"]
+        caps = [cache_length(vcfg, c + NEW_TOKENS) for c in contexts]
+        shapes = {cap: cache_lib.nbytes(cache_lib.abstract_cache(vcfg, 1, cap)) for cap in caps}
+        lo, hi = min(caps), max(caps)
+        step = cache_length(vcfg, 1)
+        hi2 = hi + 64 * step
+        measured_per_token = (cache_lib.nbytes(cache_lib.abstract_cache(vcfg, 1, hi2)) - shapes[hi]) / (hi2 - hi)
+        packed = vcfg.quant == "qat"
+        row = {"config": VARIANTS[name][0], "bytes_per_token_formula": per_token,
+               "bytes_per_token_measured": measured_per_token, "fixed_bytes_formula": fixed,
+               "by_context": [{"context": c, "capacity": cap, "cache_bytes": shapes[cap],
+                               "formula_bytes": per_token * cap + fixed if packed else None}
+                              for c, cap in zip(contexts, caps)]}
+        row["cache_bytes"] = shapes[hi]
+        row["formula_bytes"] = per_token * hi + fixed if packed else None
+        if name == "shipped" and sweep_rows:
+            req = next(r for r in sweep_rows if r["context"] == longest)
+        else:
+            prompt = passkey.examples(longest, 0.5, 1, seed)[0][0]
+            req = request(params, vcfg, prompt, capacity=cache_length(vcfg, longest + NEW_TOKENS), chunk=chunk,
+                          settle_s=settle_s)
+        row["request"] = {"context": longest, "tokens_held": req["tokens_held"],
+                          "kv_in_use_formula": per_token * req["tokens_held"] + fixed if packed else None,
+                          "cache_bytes": req["cache_bytes"], **req["memory"]}
+        out[name] = row
+        progress(f"memory: {name}: {measured_per_token:g} B/token (formula {per_token:g}), peak "
+                 f"{req['memory']['peak_during'] / 2**20:.0f} MiB")
+    return out
+
+
+def _replay_accuracy(params, cfg, context, depth, n, seed, chunk, tmp):
+    """Passkey exact match through the prefix cache: the same prompts restored twice, with the rings from the
+    pool (exact) and rebuilt by bounded replay (pool dropped). Returns (exact row, replay row)."""
+    from dsv41.generate import generate_batch
+    from dsv41.prefix_cache import PrefixCache
+
+    prompts, answers = passkey.examples(context, depth, n, seed)
+    pc = PrefixCache(cfg, params, tmp)
+    generate_batch(params, cfg, prompts, max_new_tokens=passkey.DIGITS, chunk=chunk, prefix_cache=pc)  # saves
+    rows = []
+    for label in ("exact", "replay"):
+        if label == "replay":
+            pc.pool = None  # the rings must be rebuilt: bounded replay
+        before = pc.counters.replays
+        t0 = time.perf_counter()
+        out = generate_batch(params, cfg, prompts, max_new_tokens=passkey.DIGITS, chunk=chunk, prefix_cache=pc)
+        got = [bytes(o) for o in out]
+        rows.append({"context": context, "depth": depth, "n": n,
+                     "accuracy": float(np.mean([g == a for g, a in zip(got, answers)])),
+                     "seconds": time.perf_counter() - t0, "replays": pc.counters.replays - before,
+                     "answers": [a.decode() for a in answers], "decoded": [g.decode("latin-1") for g in got]})
+    return rows
+
+
+def accuracy(params, cfg, contexts, depths, variants, *, n: int, seed: int, chunk: int, progress) -> dict:
+    """Passkey exact match by context × depth for the reference (uncompressed) model and each variant."""
+    from dsv41.generate import cache_length
+
+    out = {}
+    names = [REFERENCE, *[v for v in variants]]
+    for name in names:
+        rows = []
+        for c in contexts:
+            cap = cache_length(cfg, c)
+            if name == "replay":
+                with tempfile.TemporaryDirectory() as tmp:
+                    exact = []
+                    for d in depths:
+                        e, r = _replay_accuracy(params, cfg, c, d, n, seed, chunk, tmp)
+                        exact.append(e)
+                        rows.append(r)
+                out["replay-exact"] = out.get("replay-exact", []) + exact
+                continue
+            vcfg = _cfg(cfg, reference_overrides(cap) if name == REFERENCE else VARIANTS[name][1](cap))
+            for d in depths:
+                rows.append(passkey.accuracy(params, vcfg, c, d, n, seed=seed, chunk=chunk))
+        out[name] = rows
+        progress(f"accuracy: {name}: " + ", ".join(f"{r['context']}@{r['depth']:g} {r['accuracy']:.0%}" for r in rows))
+    return out
+
+
+def answer_logits(params, cfg, prompts, answers, *, chunk: int, prefix_cache=None):
+    """Next-token logits [B, digits, V] at each answer digit, the answer fed back (teacher forced)."""
+    from dsv41 import cache as cache_lib
+    from dsv41 import steps
+    from dsv41.generate import cache_length, prefill_chunked
+
+    cap = cache_length(cfg, max(map(len, prompts)) + passkey.DIGITS)
+    if prefix_cache is not None:
+        logits, cache, _ = prefix_cache.prefill(prompts, cap, chunk=chunk)
+    else:
+        logits, cache = prefill_chunked(params, cfg, cache_lib.init_cache(cfg, len(prompts), cap), prompts,
+                                        chunk=chunk)
+    bound = steps.bind(params, cfg)
+    out = [np.asarray(logits)]
+    digits = np.array([list(a) for a in answers], np.int32)
+    for j in range(passkey.DIGITS - 1):
+        logits, cache = bound.decode(cache, digits[:, j])
+        out.append(np.asarray(logits))
+    return np.stack(out, axis=1).astype(np.float64)
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def logit_agreement(params, cfg, context: int, variants, *, n: int, seed: int, chunk: int, progress) -> dict:
+    """Each variant's answer logits on n fixed prompts (depth 0.5) against the uncompressed model's: top-1
+    agreement and mean KL(uncompressed ‖ variant) in nats, over every answer position."""
+    from dsv41.generate import cache_length
+    from dsv41.prefix_cache import PrefixCache
+
+    prompts, answers = passkey.examples(context, 0.5, n, seed)
+    cap = cache_length(cfg, context)
+    ref = _log_softmax(answer_logits(params, _cfg(cfg, reference_overrides(cap)), prompts, answers, chunk=chunk))
+    out = {}
+    for name in variants:
+        if name == "replay":
+            with tempfile.TemporaryDirectory() as tmp:
+                pc = PrefixCache(cfg, params, tmp)
+                answer_logits(params, cfg, prompts, answers, chunk=chunk, prefix_cache=pc)  # saves the prefixes
+                pc.pool = None
+                got = answer_logits(params, cfg, prompts, answers, chunk=chunk, prefix_cache=pc)
+        else:
+            got = answer_logits(params, _cfg(cfg, VARIANTS[name][1](cap)), prompts, answers, chunk=chunk)
+        got = _log_softmax(got)
+        kl = (np.exp(ref) * (ref - got)).sum(-1)
+        out[name] = {"context": context, "positions": int(kl.size),
+                     "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).mean()), "mean_kl": float(kl.mean())}
+        progress(f"logits: {name}: top-1 {out[name]['top1_agreement']:.0%}, KL {out[name]['mean_kl']:.2e}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ plots and report
+
+
+def plots(results: dict, out: Path) -> list[str]:
+    """The report's PNGs (PLOT_SIZE at PLOT_DPI each); returns their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+
+    def save(fig, name):
+        fig.savefig(out / name, dpi=PLOT_DPI)
+        plt.close(fig)
+        names.append(name)
+
+    sw, mem = results.get("sweep") or [], results.get("memory") or {}
+    if mem:
+        fig, ax = plt.subplots(figsize=PLOT_SIZE)
+        for name, row in mem.items():
+            pts = row["by_context"]
+            ax.plot([p["capacity"] for p in pts], [p["cache_bytes"] / 2**20 for p in pts], "o", label=f"{name} (pytree)")
+            if row["formula_bytes"] is not None:
+                caps = np.linspace(0, max(p["capacity"] for p in pts), 50)
+                ax.plot(caps, (row["bytes_per_token_formula"] * caps + row["fixed_bytes_formula"]) / 2**20, "--",
+                        label=f"{name}: {row['bytes_per_token_formula']:g} B/token × length + fixed")
+        ax.set(xlabel="cache capacity (tokens)", ylabel="cache bytes (MiB)", title="KV cache memory against the formula")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        save(fig, "memory.png")
+    if sw:
+        ctx = [r["context"] for r in sw]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=PLOT_SIZE)
+        a1.plot(ctx, [r["prefill_s"] for r in sw], "o-", label="prefill (s)")
+        a1.plot(ctx, [r["latency_128_s"] for r in sw], "s-", label=f"latency, max_tokens {NEW_TOKENS} (s)")
+        a1.plot(ctx, [r["latency_1_s"] for r in sw], "^--", label="latency, max_tokens 1 (s)")
+        a1.set(xscale="log", xlabel="context (tokens)", ylabel="seconds", title="Prefill and request latency")
+        a1.legend(fontsize=8)
+        a2.plot(ctx, [r["decode_ms_per_token"] for r in sw], "o-")
+        a2.set(xscale="log", xlabel="context (tokens)", ylabel="ms per token", title="Steady decode", ylim=(0, None))
+        fig.tight_layout()
+        save(fig, "latency.png")
+        fig, ax = plt.subplots(figsize=PLOT_SIZE)
+        ax.plot(ctx, [r["decode_flops"]["raw_relative"] for r in sw], "o-", label="XLA decode FLOPs, raw")
+        ax.plot(ctx, [r["decode_flops"]["weighted_relative"] for r in sw], "s-",
+                label="precision-weighted (BF16 1, FP8 0.5, FP4 0.25)")
+        ax.axhline(1.25, color="gray", ls=":", label="V4.1 report: +25 % from 4K to 1M")
+        ax.set(xscale="log", xlabel="context (tokens)", ylabel=f"relative to {sw[0]['context'] if BASE_CONTEXT not in ctx else BASE_CONTEXT}",
+               title="Decode FLOPs per token against context", ylim=(0, None))
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        save(fig, "flops.png")
+    acc = results.get("accuracy") or {}
+    if acc:
+        panels = list(acc)
+        cols = min(4, len(panels))
+        rows_ = -(-len(panels) // cols)
+        fig, axes = plt.subplots(rows_, cols, figsize=PLOT_SIZE, squeeze=False)
+        for ax, name in zip(axes.flat, panels):
+            cells = acc[name]
+            cs, ds = sorted({r["context"] for r in cells}), sorted({r["depth"] for r in cells})
+            grid = np.full((len(cs), len(ds)), np.nan)
+            for r in cells:
+                grid[cs.index(r["context"]), ds.index(r["depth"])] = r["accuracy"]
+            ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(ds)), [f"{d:g}" for d in ds], fontsize=6)
+            ax.set_yticks(range(len(cs)), [str(c) for c in cs], fontsize=6)
+            ax.set_title(name, fontsize=8)
+            for (i, j), v in np.ndenumerate(grid):
+                ax.text(j, i, f"{v:.0%}", ha="center", va="center", fontsize=6)
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
+        fig.suptitle("Passkey exact match: context (rows) × needle depth (columns)", fontsize=9)
+        fig.tight_layout()
+        save(fig, "accuracy.png")
+    return names
+
+
+def _md_table(header, rows) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+           ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def report_md(results: dict) -> str:
+    """report.md: the plots, the tables and the doctor's findings."""
+    lines = [f"# dsv41 verify: {results['model']}", "",
+             f"{results['machine']}; weights: {results['weights']}; {results['wall_s']:.0f} s in all.", ""]
+    sw = results.get("sweep")
+    if sw:
+        lines += ["## Context sweep (shipped variant)", "", "![latency](latency.png)", "", "![flops](flops.png)", ""]
+        lines += _md_table(
+            ["context", "prefill s", "compile s", f"latency max_tokens 1 / {NEW_TOKENS} (s)", "difference s",
+             "decode ms/token", "decode FLOPs/token raw", "weighted", "raw / weighted vs base"],
+            [[r["context"], f"{r['prefill_s']:.2f}", f"{r['compile_s']:.1f}",
+              f"{r['latency_1_s']:.2f} / {r['latency_128_s']:.2f}", f"{r['latency_difference_s']:.2f}",
+              f"{r['decode_ms_per_token']:.2f}", f"{r['decode_flops']['raw']:.3e}", f"{r['decode_flops']['weighted']:.3e}",
+              f"{r['decode_flops']['raw_relative']:.3f}× / {r['decode_flops']['weighted_relative']:.3f}×"] for r in sw])
+        lines += ["", "Precision weighting: the attention over the selected main entries and the indexer's scores count "
+                  "as FP4 (0.25), the window attention as FP8 (0.5), the rest at 1 (BF16-class weights); "
+                  "`dsv41.verify.precision_split` gives the split.", ""]
+    mem = results.get("memory")
+    if mem:
+        lines += ["## Memory", "", "![memory](memory.png)", ""]
+        lines += _md_table(
+            ["variant", "B/token formula", "B/token measured", "cache bytes (pytree)", "formula", "process peak MiB",
+             "before / after MiB"],
+            [[name, f"{r['bytes_per_token_formula']:g}", f"{r['bytes_per_token_measured']:g}", f"{r['cache_bytes']:,}",
+              "float cache" if r["formula_bytes"] is None else f"{r['formula_bytes']:,}",
+              f"{r['request']['peak_during'] / 2**20:.0f}",
+              f"{r['request']['before'] / 2**20:.0f} / {r['request']['after'] / 2**20:.0f}"] for name, r in mem.items()])
+        if "shipped" in mem and "fp8-kv" in mem:
+            r = results["fp8_over_fp4_main_kv"]
+            lines += ["", f"FP8 / FP4 main KV bytes per token: {r['measured']:.4f} measured, {r['formats']:.4f} from the "
+                      f"formats' bytes (main entry {r['fp8_entry_bytes']} B against {r['fp4_entry_bytes']} B)."]
+        lines += [f"Process memory: {next(iter(mem.values()))['request']['source']}, sampled before, during and "
+                  f"{results['settle_s']:g} s after the request.", ""]
+    acc = results.get("accuracy")
+    if acc:
+        lines += ["## Accuracy: compressed against uncompressed", "", "![accuracy](accuracy.png)", ""]
+        cells = sorted({(r["context"], r["depth"]) for rows in acc.values() for r in rows})
+        lines += _md_table(["variant"] + [f"{c}@{d:g}" for c, d in cells] + ["mean", "top-1 vs uncompressed", "mean KL"],
+                           [[name] + [f"{next((r['accuracy'] for r in rows if (r['context'], r['depth']) == cd), float('nan')):.0%}"
+                                      for cd in cells]
+                            + [f"{np.mean([r['accuracy'] for r in rows]):.0%}"]
+                            + ([f"{results['logits'][name]['top1_agreement']:.1%}", f"{results['logits'][name]['mean_kl']:.2e}"]
+                               if name in results.get("logits", {}) else ["—", "—"])
+                            for name, rows in acc.items()])
+        lines += ["", "Variants: " + "; ".join(f"**{k}**: {VARIANTS[k][0]}" for k in acc if k in VARIANTS)
+                  + f"; **{REFERENCE}**: quant none, every entry selected, no pool; **replay-exact**: the same prefix-"
+                  "cache restore with the rings from the pool.", ""]
+    if results.get("table"):
+        lines += ["## Memory × latency × accuracy", ""]
+        lines += _md_table(["variant", "context", "B/token", "cache MiB", "decode ms/token", "accuracy"],
+                           [[t["variant"], t["context"], f"{t['bytes_per_token']:g}", f"{t['cache_mib']:.2f}",
+                             "—" if t["decode_ms_per_token"] is None else f"{t['decode_ms_per_token']:.2f}",
+                             "—" if t["accuracy"] is None else f"{t['accuracy']:.0%}"] for t in results["table"]])
+        lines += [""]
+    if results.get("client"):
+        lines += [verify_client.format_client(results["client"]), ""]
+    lines += ["## Doctor", ""]
+    lines += _md_table(["check", "status", "detail"], [[d["check"], d["status"], d["detail"]] for d in results["doctor"]])
+    return "\n".join(lines) + "\n"
+
+
+def combined_table(results: dict) -> list[dict]:
+    """The memory × latency × accuracy table: one row per (variant, context) measured."""
+    out = []
+    mem, acc, sw = results.get("memory") or {}, results.get("accuracy") or {}, results.get("sweep") or []
+    speed = {r["context"]: r["decode_ms_per_token"] for r in sw}
+    for name, m in mem.items():
+        for p in m["by_context"]:
+            rows = [r for r in acc.get(name, []) if r["context"] == p["context"]]
+            out.append({"variant": name, "context": p["context"], "bytes_per_token": m["bytes_per_token_measured"],
+                        "cache_mib": p["cache_bytes"] / 2**20,
+                        "decode_ms_per_token": speed.get(p["context"]) if name == "shipped" else None,
+                        "accuracy": float(np.mean([r["accuracy"] for r in rows])) if rows else None})
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def run_local(cfg, params, *, weights: str, contexts, accuracy_contexts, depths, variants, n: int, seed: int,
+              chunk: int, settle_s: float, progress=lambda msg: None) -> dict:
+    """The whole workflow on this machine: results as results.json holds them."""
+    import jax
+
+    t0 = time.perf_counter()
+    check_contexts(cfg, contexts, "--contexts")
+    check_contexts(cfg, accuracy_contexts, "--accuracy-contexts")
+    findings = doctor(cfg, [*contexts, *accuracy_contexts])
+    if any(d["status"] == "error" for d in findings):
+        bad = next(d for d in findings if d["status"] == "error")
+        raise ConfigError(bad["check"], bad["detail"], "a configuration the workflow can measure")
+    results = {"model": cfg.model, "weights": weights, "machine": f"{jax.devices()[0].platform}, "
+               f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} at the start", "settle_s": settle_s,
+               "contexts": list(contexts), "accuracy_contexts": list(accuracy_contexts), "depths": list(depths),
+               "n": n, "seed": seed, "variants": list(variants)}
+    results["sweep"] = sweep(params, cfg, contexts, chunk=chunk, seed=seed, settle_s=settle_s, progress=progress)
+    mem_variants = [v for v in MEMORY_VARIANTS if v in variants or v == "shipped"]
+    results["memory"] = memory(params, cfg, contexts, mem_variants, chunk=chunk, seed=seed, settle_s=settle_s,
+                               sweep_rows=results["sweep"], progress=progress)
+    if "fp8-kv" in results["memory"]:
+        fp4, fp8 = results["memory"]["shipped"], results["memory"]["fp8-kv"]
+        e4 = accounting.entry_bytes(cfg)["main"]
+        e8 = accounting.entry_bytes(_cfg(cfg, VARIANTS["fp8-kv"][1](0)))["main"]
+        main4 = accounting.kv_bytes_per_token(cfg)["main"]
+        main8 = accounting.kv_bytes_per_token(_cfg(cfg, VARIANTS["fp8-kv"][1](0)))["main"]
+        index = accounting.kv_bytes_per_token(cfg)["index"]
+        results["fp8_over_fp4_main_kv"] = {
+            "measured": (fp8["bytes_per_token_measured"] - index) / (fp4["bytes_per_token_measured"] - index),
+            "formats": float(main8 / main4), "fp8_entry_bytes": float(e8), "fp4_entry_bytes": float(e4)}
+    results["accuracy"] = accuracy(params, cfg, accuracy_contexts, depths, variants, n=n, seed=seed, chunk=chunk,
+                                   progress=progress)
+    results["logits"] = logit_agreement(params, cfg, min(accuracy_contexts), variants, n=n, seed=seed, chunk=chunk,
+                                        progress=progress)
+    results["table"] = combined_table(results)
+    results["doctor"] = doctor(cfg, [*contexts, *accuracy_contexts], results["memory"])
+    results["wall_s"] = time.perf_counter() - t0
+    return results
+
+
+def write(results: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    results["plots"] = plots(results, out)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=_json_default) + "\n")
+    (out / "report.md").write_text(report_md(results))
+
+
+def _json_default(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    return str(x)
+
+
+def _ints(text: str, field: str) -> list[int]:
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ConfigError(field, text, "expected comma-separated whole token counts") from None
+    if not out:
+        raise ConfigError(field, text, "expected at least one value")
+    return out
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("verify", help="the long-context verification workflow: context sweep, memory "
+                              "against the formula, accuracy with compression on and off, plots and a report",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=passkey.CONFIG, help="config name or path (default: passkey, the trained "
+                   "model shipped with its weights)")
+    p.add_argument("--weights", default=None, help="a weights file of the config (default: the shipped one; a config "
+                   "without shipped weights runs with random weights)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field "
+                   "(e.g. context_window=65536 with architecture.rope.max_position=65536 for longer contexts)")
+    p.add_argument("--contexts", default=None, help="sweep and memory contexts in tokens (default "
+                   f"{','.join(map(str, FULL['contexts']))}; --quick {','.join(map(str, QUICK['contexts']))})")
+    p.add_argument("--accuracy-contexts", default=None, help="contexts of the accuracy grid (default "
+                   f"{','.join(map(str, FULL['accuracy_contexts']))}; --quick "
+                   f"{','.join(map(str, QUICK['accuracy_contexts']))})")
+    p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEPTHS), help="needle depths of the accuracy grid")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"compression settings to compare, of {list(VARIANTS)}")
+    p.add_argument("--n", type=int, default=None, help=f"prompts per accuracy cell (default {FULL['n']}; --quick "
+                   f"{QUICK['n']})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens per compiled call)")
+    p.add_argument("--out", default="verify", help="the report's directory (default: ./verify)")
+    p.add_argument("--json", action="store_true", help="also print results.json's object on stdout")
+    p.add_argument("--quick", action="store_true", help="a short run: two contexts, one accuracy context, 2 prompts "
+                   "a cell (under 10 minutes on 2 CPU cores)")
+    c = p.add_argument_group("client mode", "run the client side against an OpenAI-compatible endpoint instead")
+    c.add_argument("--base-url", help="e.g. http://127.0.0.1:8000/v1 (`dsv41 serve`)")
+    c.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key (default $OPENAI_API_KEY)")
+    c.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    c.add_argument("--timeout", type=float, default=3600.0, help="seconds per request (long prefills; default 3600)")
+    p.set_defaults(func=run, compiles=True)
+    return p
+
+
+def run(args) -> int:
+    preset = QUICK if args.quick else FULL
+    contexts = _ints(args.contexts, "--contexts") if args.contexts else list(preset["contexts"])
+    acc_contexts = (_ints(args.accuracy_contexts, "--accuracy-contexts") if args.accuracy_contexts
+                    else list(preset["accuracy_contexts"]))
+    depths = passkey._floats(args.depths, "--depths")
+    if not depths or any(not 0 <= d <= 1 for d in depths):
+        raise ConfigError("--depths", args.depths, "expected fractions in [0, 1]")
+    n = preset["n"] if args.n is None else args.n
+    if n < 1:
+        raise ConfigError("--n", n, "expected at least 1 prompt per cell")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        raise ConfigError("--variants", args.variants, f"expected names from {list(VARIANTS)}")
+    out = Path(args.out)
+
+    def say(msg):
+        print(f"  {msg}", file=sys.stderr, flush=True)
+
+    if args.base_url:
+        t0 = time.perf_counter()
+        client = verify_client.client_report(args.base_url, api_key=args.api_key, model=args.model, contexts=contexts,
+                                             depths=depths, n=n, seed=args.seed, timeout_s=args.timeout,
+                                             progress=lambda r: say(f"client: context {r['context']} depth "
+                                                                    f"{r['depth']:g}: {r['accuracy']:.0%}"))
+        results = {"model": client["model"], "weights": "served", "machine": f"client of {args.base_url}",
+                   "client": client, "doctor": [], "wall_s": time.perf_counter() - t0}
+    else:
+        cfg = load_config(args.config, args.set)
+        if cfg.architecture.family != "v41":
+            raise ConfigError("--config", args.config, "a V4.1 config (the variants and the prefix cache are V4.1's)")
+        params, weights = _load(cfg, args.config, args.weights)
+        results = run_local(cfg, params, weights=weights, contexts=contexts, accuracy_contexts=acc_contexts,
+                            depths=depths, variants=variants, n=n, seed=args.seed, chunk=args.chunk,
+                            settle_s=preset["settle_s"], progress=say)
+    write(results, out)
+    say(f"wrote {out / 'report.md'}, {out / 'results.json'} and {len(results['plots'])} plots")
+    if args.json:
+        print(json.dumps(results, default=_json_default))
+    return 0
+
+
+def _load(cfg, name: str, weights):
+    import jax
+
+    from dsv41 import model
+    from dsv41.config import shipped_weights
+    from dsv41.convert import load_params, weights_file
+
+    if weights is not None:
+        weights_file("--weights", weights)
+        return load_params(weights, cfg), str(weights)
+    shipped = shipped_weights(name) if not name.endswith((".json", ".toml", ".py")) else None
+    if shipped is not None and shipped.is_file():
+        return load_params(shipped, cfg), str(shipped.name)
+    print(f"  no weights ship with {name!r}: random weights (seed 0), whose retrieval means nothing",
+          file=sys.stderr)
+    return model.init_params(cfg, jax.random.key(0)), "random (seed 0)"

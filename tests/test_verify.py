@@ -1,0 +1,133 @@
+"""`dsv41 verify` (DESIGN §15) against independent sources: the cache's bytes against the closed formula
+written out here from the config's fields, a passkey cell recomputed through `dsv41.passkey`, the FP8/FP4 main
+KV ratio against the element and scale widths, and the PNGs read back as images of the documented size."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+import dsv41
+from dsv41 import cli, passkey, verify
+from dsv41.errors import ConfigError
+
+# The accuracy prompts fill the sweep's capacity (512 + 128) and both prefill in 256-token chunks at batch 1, so the
+# shipped, FP8 and float variants each compile one prefill and one decode program for both.
+CONTEXT, ACC_CONTEXT, DEPTH, N, SEED, CHUNK = 512, 640, 0.5, 1, 1, 256
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("verify")
+    # The command's own path (its flags parsed by the CLI's parser) under the test session's compile cache.
+    args = cli.build_parser().parse_args(
+        ["verify", "--contexts", str(CONTEXT), "--accuracy-contexts", str(ACC_CONTEXT), "--depths", str(DEPTH),
+         "--n", str(N), "--seed", str(SEED), "--chunk", str(CHUNK), "--variants", "shipped,fp8-kv,quant-none",
+         "--out", str(out)])
+    assert verify.run(args) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def closed_formula(cfg, capacity: int) -> int:
+    """The packed V4.1 cache's bytes, written out from the config: per Full layer and stored entry, main values
+    (K elements of 4 or 8 bits) + one E4M3 byte per 16, indexer keys (d_I FP4 values + one UE8M0 byte per 32);
+    per layer a ring of W FP8 rows (K bytes + one UE8M0 byte per 32), its window start; a ratio-r compressor's
+    r − 1 fp32 leftovers of 2K; the pool's int32 block ids; the row's length."""
+    a, kv, ix = cfg.architecture, cfg.kv_cache, cfg.csa2.indexer
+    k, w = a.head_dim, kv.swa_window_size
+    bits = 8 if kv.global_kv_dtype in ("fp8", "fp8_e4m3") else 4
+    plan = dsv41.layer_plan(cfg)
+    full = [r for r in plan if r.kv_source == r.index and r.ratio]
+    entries = sum(capacity // r.ratio * (k * bits // 8 + k // 16 + ix.head_dim // 2 + ix.head_dim // 32) for r in full)
+    rings = len(plan) * (w * (k + k // 32) + 4)
+    leftovers = sum((r.ratio - 1) * 2 * k * 4 for r in full)
+    pool = 4 * ix.hierarchical.max_blocks
+    return entries + rings + leftovers + pool + 4
+
+
+@pytest.mark.slow  # compiles the passkey model's steps for three variants
+def test_the_report_against_independent_sources(report):
+    out, r = report
+    cfg = dsv41.load_config("passkey")
+    fp8 = dsv41.load_config("passkey", ["kv_cache.global_kv_dtype=fp8"])
+    mem = r["memory"]
+    cap = mem["shipped"]["by_context"][0]["capacity"]
+    assert cap >= CONTEXT + verify.NEW_TOKENS
+    assert mem["shipped"]["cache_bytes"] == mem["shipped"]["formula_bytes"] == closed_formula(cfg, cap)
+    assert mem["fp8-kv"]["cache_bytes"] == mem["fp8-kv"]["formula_bytes"] == closed_formula(fp8, cap)
+    assert mem["quant-none"]["formula_bytes"] is None  # the float cache: no format to hold it against
+    k = cfg.architecture.head_dim
+    assert r["fp8_over_fp4_main_kv"]["formats"] == pytest.approx((k + k // 16) / (k // 2 + k // 16))
+    assert r["fp8_over_fp4_main_kv"]["measured"] == pytest.approx(r["fp8_over_fp4_main_kv"]["formats"])
+    sweep = r["sweep"][0]
+    assert sweep["context"] == CONTEXT and sweep["tokens_held"] == sweep["prompt_tokens"] + verify.NEW_TOKENS - 1
+    assert sweep["latency_128_s"] > sweep["latency_1_s"] > 0 and sweep["decode_flops"]["raw"] > 0
+    assert sweep["decode_flops"]["weighted"] < sweep["decode_flops"]["raw"]
+    assert sweep["memory"]["peak_during"] >= sweep["memory"]["before"] > 0
+    # One passkey cell, recomputed through dsv41.passkey.
+    _, params = passkey.load_trained()
+    want = passkey.accuracy(params, cfg, ACC_CONTEXT, DEPTH, N, seed=SEED, chunk=CHUNK)
+    cell = next(c for c in r["accuracy"]["shipped"] if (c["context"], c["depth"]) == (ACC_CONTEXT, DEPTH))
+    assert (cell["accuracy"], cell["decoded"]) == (want["accuracy"], want["decoded"])
+    assert set(r["accuracy"]) == {verify.REFERENCE, "shipped", "fp8-kv", "quant-none"}
+    for name, agree in r["logits"].items():
+        assert 0 <= agree["top1_agreement"] <= 1 and agree["mean_kl"] >= 0 and agree["positions"] == N * passkey.DIGITS
+    # The plots: PNGs of the documented size, embedded in the report.
+    text = (out / "report.md").read_text()
+    assert sorted(r["plots"]) == ["accuracy.png", "flops.png", "latency.png", "memory.png"]
+    for name in r["plots"]:
+        head = (out / name).read_bytes()[:24]
+        assert head[:8] == b"\x89PNG\r\n\x1a\n"
+        assert struct.unpack(">II", head[16:24]) == (verify.PLOT_SIZE[0] * verify.PLOT_DPI,
+                                                     verify.PLOT_SIZE[1] * verify.PLOT_DPI)
+        assert f"({name})" in text
+    doctor = {d["check"]: d["status"] for d in r["doctor"]}
+    assert doctor["shipped: cache bytes = formula"] == "ok" and doctor["fp8-kv: cache bytes = formula"] == "ok"
+    assert doctor["quant-none: cache bytes = formula"] == "warn"
+
+
+def test_the_doctor_names_each_mistake():
+    cfg = dsv41.load_config("passkey", ["kv_cache.swa_kv_dtype=bf16", "swa_bounded_replay.decoder_replay_tokens=16"])
+    found = {d["check"]: d for d in verify.doctor(cfg, [20000])}
+    assert found["window KV is FP8"]["status"] == "warn" and "'bf16'" in found["window KV is FP8"]["detail"]
+    assert found["encoder_replay_tokens covers the window"]["status"] == "ok"
+    assert found["decoder_replay_tokens covers the window"]["status"] == "warn"
+    assert "holds 16 of its 32" in found["decoder_replay_tokens covers the window"]["detail"]
+    with pytest.raises(ConfigError, match="encoder_replay_tokens"):  # longer than the window: refused at load
+        dsv41.load_config("passkey", ["swa_bounded_replay.encoder_replay_tokens=64"])
+    assert found["context window holds the prompts"]["status"] == "error"
+    assert "maximum-context" in found["context window holds the prompts"]["detail"]
+    ok = verify.doctor(dsv41.load_config("passkey"), [4096])
+    assert all(d["status"] == "ok" for d in ok)
+
+
+def test_bad_arguments_name_the_flag(tmp_path):
+    for argv, flag in [(["--contexts", "20000"], "--contexts"), (["--contexts", "4k"], "--contexts"),
+                       (["--variants", "shipped,fp16"], "--variants"), (["--depths", "0.5,2"], "--depths"),
+                       (["--n", "0"], "--n"), (["--accuracy-contexts", "50"], "--accuracy-contexts")]:
+        args = cli.build_parser().parse_args(["verify", "--out", str(tmp_path), *argv])
+        with pytest.raises(ConfigError, match=f"'{flag}'"):
+            verify.run(args)
+    assert not any(tmp_path.iterdir())  # refused before anything ran
+    with pytest.raises(ConfigError, match="context_window"):
+        verify.check_contexts(dsv41.load_config("passkey"), [16384], "--contexts")
+
+
+def test_precision_split_counts_what_the_stores_hold():
+    cfg = dsv41.load_config("passkey")
+    a, ix = cfg.architecture, cfg.csa2.indexer
+    h, k, w = a.num_heads, a.head_dim, cfg.kv_cache.swa_window_size
+    t = 4096
+    split = verify.precision_split(cfg, t)
+    # Window: every layer 4·H·K per key over W keys (FP8). Main entries: top-k of each selecting layer (FP4).
+    # Indexer: the Full layers score every visible entry, the Reindex layer the pool's (FP4).
+    plan = dsv41.layer_plan(cfg)
+    sel = sum(4 * h * k * min(ix.top_k, t // r.ratio) for r in plan if r.ratio)
+    pool = ix.hierarchical.max_blocks * ix.hierarchical.positions_per_block
+    scores = sum(2 * ix.query_heads * ix.head_dim * (t // r.ratio if r.mode == "full" else pool)
+                 for r in plan if r.mode in ("full", "reindex"))
+    assert split == {"fp8": len(plan) * 4 * h * k * w, "fp4": sel + scores}
+    assert verify.precision_split(dsv41.load_config("passkey", ["quant=none"]), t) == {"fp4": 0.0, "fp8": 0.0}
+    np.testing.assert_allclose(verify.precision_split(dsv41.load_config("passkey", ["kv_cache.global_kv_dtype=fp8"]),
+                                                      t)["fp8"], split["fp8"] + sel)
