@@ -97,6 +97,16 @@ def test_chunked_prefill_and_decode_equal_the_teacher_forced_forward(model):
 
 
 @pytest.mark.slow
+def test_every_entry_selected_equals_the_forward():
+    """top-k ≥ the store's entries (`dsv41 verify`'s all-entries variant): the cached steps pick every visible
+    entry without scoring them, as the forward's top-k over all of them does (scored in 32-entry tiles too)."""
+    cfg = small_config("csa2.indexer.top_k=160", "csa2.indexer.hierarchical.enabled=false", "runtime.score_tile=32")
+    params = dsv41.init_params(cfg, jax.random.key(1))
+    ids = np.random.default_rng(1).integers(0, cfg.architecture.vocab_size, (2, LENGTHS[0] + DECODE))
+    errors, _ = _prefill_and_decode(cfg, params, ids, np.asarray(dsv41.forward(params, cfg, ids)))
+    assert max(errors) < TOL, errors
+
+
 def test_pallas_kernels_requested_run_the_reference_on_the_float_cache(model):
     """`runtime.kernels = pallas_interpret` would hand packed bytes to the kernels: with the float cache
     the attention, indexer top-k, pool and Reindex paths take the XLA reference and give the same logits."""

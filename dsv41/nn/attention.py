@@ -281,8 +281,12 @@ class Attention(nnx.Module):
         cinv = np.asarray(self.compressed_inv_freq, np.float32)
         b, s, _ = x_BSD.shape
         indexer = self.indexer
-        qI, w = indexer.query(x_BSD, qr_BSQ, positions_BS, cinv, self.fake_quant)
         visible_count = (positions_BS + 1) // rec.ratio
+        num = store.leaves["index_keys"].shape[-2]
+        if self.top_k >= num and not self.builds_pool and rec.candidate_source is None:
+            # Top-k of at least every entry picks every visible one, whatever the scores: skip scoring them.
+            return Handoff(picks=ix.visible_picks(visible_count, num, self.top_k))
+        qI, w = indexer.query(x_BSD, qr_BSQ, positions_BS, cinv, self.fake_quant)
         impl = self.kernel_impl()
         # The kernels read the packed keys; the float cache takes the reference path below.
         if impl != "reference" and packed(store.leaves["index_keys"]) and (rec.candidate_source is None or s == 1):

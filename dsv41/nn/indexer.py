@@ -141,6 +141,14 @@ def top_k_indices(scores_BST, k: int):
     return idx
 
 
+def visible_picks(visible_count_BS, num_entries: int, k: int):
+    """`top_k_indices` of scores finite on each query's visible entries when k ≥ num_entries: every visible
+    entry, ascending, then −1s ([B, S, k]; the scores cannot change the set, so none are computed)."""
+    idx = jnp.arange(num_entries, dtype=jnp.int32)
+    picks = jnp.where(idx < visible_count_BS[..., None], idx, -1)
+    return jnp.pad(picks, [(0, 0)] * (picks.ndim - 1) + [(0, k - num_entries)], constant_values=-1)
+
+
 def indices_to_mask(idx_BSk, num_entries: int):
     """[B, S, T] bool mask of the picked entries (−1 picks nothing)."""
     return block_ids_to_mask(idx_BSk, num_entries)
