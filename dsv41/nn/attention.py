@@ -83,6 +83,8 @@ class Attention(nnx.Module):
         self.top_k = ixc.top_k
         self.score_tile = cfg.runtime.score_tile  # the cached step scores the filled tiles of its store
         self.builds_pool = builds_pool
+        # Without a candidate pool, top-k over at least every entry picks every visible one (`step`).
+        self.every_entry = not ixc.hierarchical.enabled
         self.pool_max_blocks, self.pool_block_size = ixc.hierarchical.max_blocks, ixc.hierarchical.positions_per_block
         self.compressor = (Compressor(d, k, record.ratio, a.norm_eps, policy=policy, rngs=rngs)
                            if record.stores_entries else None)
@@ -224,6 +226,12 @@ class Attention(nnx.Module):
         if rec.ratio:  # the compressed branch: the layer's own (V4.1 below, V4 `attention_v4`)
             (sel, sel_ok, shared, picks), stores, handoff = self.cached_compressed(
                 x_BSD, qr, positions_BS, lengths_B, counts, published, stores, entries_ready)
+            store = stores.get(rec.kv_source)
+            if picks is not None and self.every_entry and self.top_k >= store.leaves["entries"].shape[-2]:
+                # Top-k of at least every entry, no pool: the picks are every visible entry, which every query of
+                # a row reads from the one store (no per-query gather of them all).
+                entries = dequant_entries(store.get("entries"), store.get("entry_scales")).astype(kv.dtype)
+                shared, picks = (entries, ix.visible_entries(positions_BS, rec.ratio, entries.shape[1])), None
             # The attention kernel reads FP4 entries; FP8 entries take the gathered reference path.
             if picks is not None and (not quantised or self.kernel_impl() == "reference" or banded
                                       or self.main_kv != quant.FP4_E4M3_16):

@@ -26,6 +26,7 @@ class AttentionV4(Attention):
     def _build_compressed_branch(self, cfg, builds_pool: bool, policy: Policy, rngs: nnx.Rngs):
         a, record, ixc = cfg.architecture, self.record, cfg.v4.indexer
         self.top_k = ixc.top_k
+        self.every_entry = True  # V4 has no candidate pool
         self.compressor = (CompressorV4(a.hidden_size, a.head_dim, record.ratio, record.mode == CSA, a.norm_eps,
                                         policy=policy, rngs=rngs)
                            if record.stores_entries else None)
