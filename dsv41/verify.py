@@ -48,8 +48,9 @@ from dsv41.plan import layer_plan
 NEW_TOKENS = 128  # the long request's max_tokens; the short one's is 1
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 BASE_CONTEXT = 4096  # the sweep's figures are relative to this context (else to the first)
-QUICK = dict(contexts=(1024, 4096), accuracy_contexts=(1024,), n=2, settle_s=1.0)
-FULL = dict(contexts=(2048, 4096, 8192), accuracy_contexts=(2048, 4096), n=4, settle_s=3.0)
+QUICK = dict(contexts=(1024, 4096), accuracy_contexts=(1024,), n=2, settle_s=1.0, full_size_contexts=())
+FULL = dict(contexts=(2048, 4096, 8192), accuracy_contexts=(2048, 4096), n=4, settle_s=3.0,
+            full_size_contexts=(4096, 65536, 262144, 1000000))
 PLOT_SIZE = (8.0, 5.0)  # inches at PLOT_DPI: every PNG is 800 × 500 pixels
 PLOT_DPI = 100
 
@@ -103,8 +104,9 @@ def doctor(cfg, contexts=(), measured: dict | None = None) -> list[dict]:
         + ("" if longest <= cfg.context_window else ": the maximum-context error"), bad="error")
     for name, row in (measured or {}).items():
         if row.get("formula_bytes") is None:
-            add(f"{name}: cache bytes = formula", False, f"{row['config']}: the float cache holds "
-                f"{row['bytes_per_token_measured']:g} B/token, not the formats' {row['bytes_per_token_formula']:g}")
+            add(f"{name}: cache bytes = formula", False, f"the float cache (quant none) holds "
+                f"{row['bytes_per_token_measured']:g} B/token, not the configured formats' "
+                f"{row['bytes_per_token_formula']:g}: compression is off")
             continue
         same = row["cache_bytes"] == row["formula_bytes"]
         add(f"{name}: cache bytes = formula", same,
@@ -204,16 +206,31 @@ def precision_split(cfg, context: int) -> dict:
     return {"fp4": fp4, "fp8": fp8}
 
 
-def decode_flops(cfg, capacity: int) -> dict:
+def decode_flops(cfg, capacity: int, weights: str = "bf16") -> dict:
     """XLA's decode FLOPs per token (the step lowered at static shapes for this capacity, every loop unrolled:
-    `compile_report.lowered_flops_per_token`) and the precision-weighted count."""
+    `compile_report.lowered_flops_per_token`) and the precision-weighted count: `precision_split`'s FP4 and FP8
+    parts at 0.25 and 0.5, the rest (the projections and experts, and the few elementwise FLOPs beside them) at
+    1 with BF16 weights and 0.5 with FP8 weights."""
     from dsv41 import compile_report
 
-    raw = compile_report.lowered_flops_per_token(cfg, batch=1, context=capacity, weights="bf16")
+    raw = compile_report.lowered_flops_per_token(cfg, batch=1, context=capacity, weights=weights)
     split = precision_split(cfg, capacity)
     rest = raw - split["fp4"] - split["fp8"]
-    return {"raw": raw, "fp4": split["fp4"], "fp8": split["fp8"],
-            "weighted": rest + 0.5 * split["fp8"] + 0.25 * split["fp4"]}
+    return {"raw": raw, "fp4": split["fp4"], "fp8": split["fp8"], "weights": weights,
+            "weighted": (0.5 if weights == "fp8" else 1.0) * rest + 0.5 * split["fp8"] + 0.25 * split["fp4"]}
+
+
+def full_size_flops(contexts, *, config: str = "v41_flash", progress=lambda msg: None) -> list[dict]:
+    """Decode FLOPs per token of the full-size model (FP8 weights) at each context, raw and weighted, relative
+    to the first: the AOT compile report's lowering on this CPU (`dsv41 compile-report --sweep-context`)."""
+    cfg = load_config(config)
+    rows = []
+    for c in contexts:
+        rows.append({"context": c, **decode_flops(cfg, c, weights="fp8")})
+        progress(f"full size: context {c}: {rows[-1]['raw']:.3e} FLOPs/token")
+    for r in rows:
+        r["raw_relative"], r["weighted_relative"] = r["raw"] / rows[0]["raw"], r["weighted"] / rows[0]["weighted"]
+    return rows
 
 
 def request(params, cfg, prompt, *, capacity: int, chunk: int, settle_s: float) -> dict:
@@ -309,10 +326,10 @@ def memory(params, cfg, contexts, variants, *, chunk: int, seed: int, settle_s: 
         row = {"config": VARIANTS[name][0], "bytes_per_token_formula": per_token,
                "bytes_per_token_measured": measured_per_token, "fixed_bytes_formula": fixed,
                "by_context": [{"context": c, "capacity": cap, "cache_bytes": shapes[cap],
-                               "formula_bytes": per_token * cap + fixed if packed else None}
+                               "formula_bytes": _whole(per_token * cap + fixed) if packed else None}
                               for c, cap in zip(contexts, caps)]}
         row["cache_bytes"] = shapes[hi]
-        row["formula_bytes"] = per_token * hi + fixed if packed else None
+        row["formula_bytes"] = _whole(per_token * hi + fixed) if packed else None
         if name == "shipped" and sweep_rows:
             req = next(r for r in sweep_rows if r["context"] == longest)
         else:
@@ -320,12 +337,16 @@ def memory(params, cfg, contexts, variants, *, chunk: int, seed: int, settle_s: 
             req = request(params, vcfg, prompt, capacity=cache_length(vcfg, longest + NEW_TOKENS), chunk=chunk,
                           settle_s=settle_s)
         row["request"] = {"context": longest, "tokens_held": req["tokens_held"],
-                          "kv_in_use_formula": per_token * req["tokens_held"] + fixed if packed else None,
+                          "kv_in_use_formula": _whole(per_token * req["tokens_held"] + fixed) if packed else None,
                           "cache_bytes": req["cache_bytes"], **req["memory"]}
         out[name] = row
         progress(f"memory: {name}: {measured_per_token:g} B/token (formula {per_token:g}), peak "
                  f"{req['memory']['peak_during'] / 2**20:.0f} MiB")
     return out
+
+
+def _whole(x):
+    return int(x) if float(x).is_integer() else float(x)
 
 
 def _replay_accuracy(params, cfg, context, depth, n, seed, chunk, tmp):
@@ -407,13 +428,17 @@ def _log_softmax(x):
 
 def logit_agreement(params, cfg, context: int, variants, *, n: int, seed: int, chunk: int, progress) -> dict:
     """Each variant's answer logits on n fixed prompts (depth 0.5) against the uncompressed model's: top-1
-    agreement and mean KL(uncompressed ‖ variant) in nats, over every answer position."""
+    agreement and mean KL(uncompressed ‖ variant) in nats, over every answer position; and the same against
+    `quant: none` with the shipped selection (`*_quant_none`)."""
     from dsv41.generate import cache_length
     from dsv41.prefix_cache import PrefixCache
 
     prompts, answers = passkey.examples(context, 0.5, n, seed)
     cap = cache_length(cfg, context)
     ref = _log_softmax(answer_logits(params, _cfg(cfg, reference_overrides(cap)), prompts, answers, chunk=chunk))
+    # Also against quant none with the shipped selection: what the stored formats alone change.
+    exact = _log_softmax(answer_logits(params, _cfg(cfg, VARIANTS["quant-none"][1](cap)), prompts, answers,
+                                       chunk=chunk))
     out = {}
     for name in variants:
         if name == "replay":
@@ -426,8 +451,11 @@ def logit_agreement(params, cfg, context: int, variants, *, n: int, seed: int, c
             got = answer_logits(params, _cfg(cfg, VARIANTS[name][1](cap)), prompts, answers, chunk=chunk)
         got = _log_softmax(got)
         kl = (np.exp(ref) * (ref - got)).sum(-1)
+        kl_exact = (np.exp(exact) * (exact - got)).sum(-1)
         out[name] = {"context": context, "positions": int(kl.size),
-                     "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).mean()), "mean_kl": float(kl.mean())}
+                     "top1_agreement": float((ref.argmax(-1) == got.argmax(-1)).mean()), "mean_kl": float(kl.mean()),
+                     "top1_agreement_quant_none": float((exact.argmax(-1) == got.argmax(-1)).mean()),
+                     "mean_kl_quant_none": float(kl_exact.mean())}
         progress(f"logits: {name}: top-1 {out[name]['top1_agreement']:.0%}, KL {out[name]['mean_kl']:.2e}")
     return out
 
@@ -479,6 +507,11 @@ def plots(results: dict, out: Path) -> list[str]:
         ax.plot(ctx, [r["decode_flops"]["raw_relative"] for r in sw], "o-", label="XLA decode FLOPs, raw")
         ax.plot(ctx, [r["decode_flops"]["weighted_relative"] for r in sw], "s-",
                 label="precision-weighted (BF16 1, FP8 0.5, FP4 0.25)")
+        for r_name, rows in (("V4.1-Flash (full size, FP8 weights)", results.get("full_size_flops") or []),):
+            if rows:
+                ax.plot([r["context"] for r in rows], [r["raw_relative"] for r in rows], "o:", label=f"{r_name}, raw")
+                ax.plot([r["context"] for r in rows], [r["weighted_relative"] for r in rows], "s:",
+                        label=f"{r_name}, weighted")
         ax.axhline(1.25, color="gray", ls=":", label="V4.1 report: +25 % from 4K to 1M")
         ax.set(xscale="log", xlabel="context (tokens)", ylabel=f"relative to {sw[0]['context'] if BASE_CONTEXT not in ctx else BASE_CONTEXT}",
                title="Decode FLOPs per token against context", ylim=(0, None))
@@ -531,8 +564,15 @@ def report_md(results: dict) -> str:
               f"{r['decode_ms_per_token']:.2f}", f"{r['decode_flops']['raw']:.3e}", f"{r['decode_flops']['weighted']:.3e}",
               f"{r['decode_flops']['raw_relative']:.3f}× / {r['decode_flops']['weighted_relative']:.3f}×"] for r in sw])
         lines += ["", "Precision weighting: the attention over the selected main entries and the indexer's scores count "
-                  "as FP4 (0.25), the window attention as FP8 (0.5), the rest at 1 (BF16-class weights); "
-                  "`dsv41.verify.precision_split` gives the split.", ""]
+                  "as FP4 (0.25), the window attention as FP8 (0.5), the rest at 1 with BF16 weights and 0.5 with FP8 "
+                  "weights; `dsv41.verify.precision_split` gives the split.", ""]
+    fs = results.get("full_size_flops")
+    if fs:
+        lines += ["### Full size (V4.1-Flash, FP8 weights, lowered on this CPU)", ""]
+        lines += _md_table(["context", "decode FLOPs/token raw", "weighted", f"raw / weighted vs {fs[0]['context']}"],
+                           [[r["context"], f"{r['raw']:.3e}", f"{r['weighted']:.3e}",
+                             f"{r['raw_relative']:.3f}× / {r['weighted_relative']:.3f}×"] for r in fs])
+        lines += [""]
     mem = results.get("memory")
     if mem:
         lines += ["## Memory", "", "![memory](memory.png)", ""]
@@ -553,13 +593,19 @@ def report_md(results: dict) -> str:
     if acc:
         lines += ["## Accuracy: compressed against uncompressed", "", "![accuracy](accuracy.png)", ""]
         cells = sorted({(r["context"], r["depth"]) for rows in acc.values() for r in rows})
-        lines += _md_table(["variant"] + [f"{c}@{d:g}" for c, d in cells] + ["mean", "top-1 vs uncompressed", "mean KL"],
+        logits = results.get("logits", {})
+        lines += _md_table(["variant"] + [f"{c}@{d:g}" for c, d in cells]
+                           + ["mean", "top-1 / KL vs uncompressed", "top-1 / KL vs quant none"],
                            [[name] + [f"{next((r['accuracy'] for r in rows if (r['context'], r['depth']) == cd), float('nan')):.0%}"
                                       for cd in cells]
                             + [f"{np.mean([r['accuracy'] for r in rows]):.0%}"]
-                            + ([f"{results['logits'][name]['top1_agreement']:.1%}", f"{results['logits'][name]['mean_kl']:.2e}"]
-                               if name in results.get("logits", {}) else ["—", "—"])
+                            + ([f"{logits[name]['top1_agreement']:.1%} / {logits[name]['mean_kl']:.2e}",
+                                f"{logits[name]['top1_agreement_quant_none']:.1%} / {logits[name]['mean_kl_quant_none']:.2e}"]
+                               if name in logits else ["—", "—"])
                             for name, rows in acc.items()])
+        if logits:
+            lines += ["", f"Logits: the {next(iter(logits.values()))['positions']} answer positions of the depth-0.5 "
+                      f"prompts at {next(iter(logits.values()))['context']} tokens, the answer fed back; KL in nats."]
         lines += ["", "Variants: " + "; ".join(f"**{k}**: {VARIANTS[k][0]}" for k in acc if k in VARIANTS)
                   + f"; **{REFERENCE}**: quant none, every entry selected, no pool; **replay-exact**: the same prefix-"
                   "cache restore with the rings from the pool.", ""]
@@ -577,17 +623,31 @@ def report_md(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def combined_table(results: dict) -> list[dict]:
-    """The memory × latency × accuracy table: one row per (variant, context) measured."""
+def combined_table(cfg, results: dict) -> list[dict]:
+    """The memory × latency × accuracy table: one row per (variant, context) measured. Bytes are the variant's
+    cache pytree at the context's capacity (its shapes; bytes per token from two capacities), decode speed the
+    sweep's (shipped variant), accuracy the mean over the depths."""
+    from dsv41 import cache as cache_lib
+    from dsv41.generate import cache_length
+
     out = []
-    mem, acc, sw = results.get("memory") or {}, results.get("accuracy") or {}, results.get("sweep") or []
+    acc, sw = results.get("accuracy") or {}, results.get("sweep") or []
     speed = {r["context"]: r["decode_ms_per_token"] for r in sw}
-    for name, m in mem.items():
-        for p in m["by_context"]:
-            rows = [r for r in acc.get(name, []) if r["context"] == p["context"]]
-            out.append({"variant": name, "context": p["context"], "bytes_per_token": m["bytes_per_token_measured"],
-                        "cache_mib": p["cache_bytes"] / 2**20,
-                        "decode_ms_per_token": speed.get(p["context"]) if name == "shipped" else None,
+    contexts = sorted({*results.get("contexts", []), *results.get("accuracy_contexts", [])})
+    for name in acc:
+        if name == "replay-exact":
+            continue
+        for c in contexts:
+            rows = [r for r in acc[name] if r["context"] == c]
+            if not rows and not (name in (results.get("memory") or {}) or name == "shipped"):
+                continue
+            cap = cache_length(cfg, c + NEW_TOKENS)
+            vcfg = _cfg(cfg, reference_overrides(cap) if name == REFERENCE else VARIANTS[name][1](cap))
+            size = cache_lib.nbytes(cache_lib.abstract_cache(vcfg, 1, cap))
+            step = 64 * cache_length(vcfg, 1)
+            per_token = (cache_lib.nbytes(cache_lib.abstract_cache(vcfg, 1, cap + step)) - size) / step
+            out.append({"variant": name, "context": c, "bytes_per_token": per_token, "cache_mib": size / 2**20,
+                        "decode_ms_per_token": speed.get(c) if name == "shipped" else None,
                         "accuracy": float(np.mean([r["accuracy"] for r in rows])) if rows else None})
     return out
 
@@ -596,7 +656,7 @@ def combined_table(results: dict) -> list[dict]:
 
 
 def run_local(cfg, params, *, weights: str, contexts, accuracy_contexts, depths, variants, n: int, seed: int,
-              chunk: int, settle_s: float, progress=lambda msg: None) -> dict:
+              chunk: int, settle_s: float, full_size_contexts=(), progress=lambda msg: None) -> dict:
     """The whole workflow on this machine: results as results.json holds them."""
     import jax
 
@@ -629,7 +689,9 @@ def run_local(cfg, params, *, weights: str, contexts, accuracy_contexts, depths,
                                    progress=progress)
     results["logits"] = logit_agreement(params, cfg, min(accuracy_contexts), variants, n=n, seed=seed, chunk=chunk,
                                         progress=progress)
-    results["table"] = combined_table(results)
+    if full_size_contexts:
+        results["full_size_flops"] = full_size_flops(full_size_contexts, progress=progress)
+    results["table"] = combined_table(cfg, results)
     results["doctor"] = doctor(cfg, [*contexts, *accuracy_contexts], results["memory"])
     results["wall_s"] = time.perf_counter() - t0
     return results
@@ -675,6 +737,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--accuracy-contexts", default=None, help="contexts of the accuracy grid (default "
                    f"{','.join(map(str, FULL['accuracy_contexts']))}; --quick "
                    f"{','.join(map(str, QUICK['accuracy_contexts']))})")
+    p.add_argument("--full-size-contexts", default=None, help="contexts of V4.1-Flash's decode FLOPs, lowered at full "
+                   f"size on this CPU (default {','.join(map(str, FULL['full_size_contexts']))}; --quick and '' none)")
     p.add_argument("--depths", default=",".join(f"{d:g}" for d in DEPTHS), help="needle depths of the accuracy grid")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"compression settings to compare, of {list(VARIANTS)}")
     p.add_argument("--n", type=int, default=None, help=f"prompts per accuracy cell (default {FULL['n']}; --quick "
@@ -699,6 +763,8 @@ def run(args) -> int:
     contexts = _ints(args.contexts, "--contexts") if args.contexts else list(preset["contexts"])
     acc_contexts = (_ints(args.accuracy_contexts, "--accuracy-contexts") if args.accuracy_contexts
                     else list(preset["accuracy_contexts"]))
+    full_size = (list(preset["full_size_contexts"]) if args.full_size_contexts is None else
+                 _ints(args.full_size_contexts, "--full-size-contexts") if args.full_size_contexts.strip() else [])
     depths = passkey._floats(args.depths, "--depths")
     if not depths or any(not 0 <= d <= 1 for d in depths):
         raise ConfigError("--depths", args.depths, "expected fractions in [0, 1]")
@@ -729,7 +795,7 @@ def run(args) -> int:
         params, weights = _load(cfg, args.config, args.weights)
         results = run_local(cfg, params, weights=weights, contexts=contexts, accuracy_contexts=acc_contexts,
                             depths=depths, variants=variants, n=n, seed=args.seed, chunk=args.chunk,
-                            settle_s=preset["settle_s"], progress=say)
+                            settle_s=preset["settle_s"], full_size_contexts=full_size, progress=say)
     write(results, out)
     say(f"wrote {out / 'report.md'}, {out / 'results.json'} and {len(results['plots'])} plots")
     if args.json:

@@ -4,17 +4,14 @@ digits hidden in each prompt, the byte tokenizer's counts (a UTF-8 byte is a tok
 served alone and cold."""
 
 import concurrent.futures
-import contextlib
 import json
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
+import serving
 from dsv41 import passkey
 
 pytestmark = pytest.mark.slow
@@ -24,49 +21,10 @@ MODEL = "dsv41-passkey"
 MAX_LEN = 8192
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
 def running_server(tmp_path_factory, *extra, env=()):
-    """A `dsv41 serve` subprocess on a free port (the passkey model, two API keys); yields its base URL and
-    stops it on exit."""
-    import jax
-    import requests
-
-    port = _free_port()
-    environ = {**os.environ, "JAX_PLATFORMS": "cpu", **dict(env)}
-    cache_dir = jax.config.jax_compilation_cache_dir  # the test session's persistent compilation cache, if on
-    environ["DSV41_COMPILE_CACHE"] = cache_dir or "off"
-    cmd = [sys.executable, "-m", "dsv41", "serve", "--port", str(port), "--prefill-chunks", "64,512",
-           "--max-model-len", str(MAX_LEN), "--prefix-cache", str(tmp_path_factory.mktemp("prefix_cache")),
-           *[a for k in KEYS for a in ("--api-key", k)], *extra]
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"the server did not start in 600 s:\n{log.read_text()[-3000:]}"
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+    """A `dsv41 serve` of the passkey model with two API keys (`serving.running_server`); yields its base URL."""
+    return serving.running_server(tmp_path_factory, "--prefill-chunks", "64,512", "--max-model-len", str(MAX_LEN),
+                                  *[a for k in KEYS for a in ("--api-key", k)], *extra, env=env)
 
 
 @pytest.fixture(scope="module")

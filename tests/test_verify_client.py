@@ -4,16 +4,10 @@ and answers equal those of the same prompts decoded in this process by `passkey.
 and an endpoint that cannot be reached or refuses the key are errors naming the flag or the status."""
 
 import contextlib
-import os
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
+import serving
 from dsv41 import passkey
 from dsv41.errors import ConfigError
 from dsv41.verify_client import client_report, format_client
@@ -23,48 +17,13 @@ MODEL = "dsv41-passkey"
 CONTEXT, DEPTHS, N, SEED = 1024, [0.1, 0.5, 0.9], 2, 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def running_server(tmp_path_factory, *extra):
-    """A `dsv41 serve` subprocess of the passkey model on a free port; yields its base URL (with /v1) and stops
-    it on exit."""
-    import jax
-
-    port = _free_port()
-    environ = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    environ["DSV41_COMPILE_CACHE"] = jax.config.jax_compilation_cache_dir or "off"  # the session's, if on
-    # Two slots and one prefill width keep the warm-up's compiles few; 1,024-token prompts fit 2,048.
-    cmd = [sys.executable, "-m", "dsv41", "serve", "--port", str(port), "--slots", "2", "--prefill-chunks", "512",
-           "--max-model-len", "2048", "--prefix-cache", str(tmp_path_factory.mktemp("prefix_cache")), *extra]
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, f"the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"the server did not start in 600 s:\n{log.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1)
+    """A `dsv41 serve` of the passkey model (`serving.running_server`); yields its base URL with /v1. Two slots
+    and one prefill width keep the warm-up's compiles few; 1,024-token prompts fit 2,048."""
+    with serving.running_server(tmp_path_factory, "--slots", "2", "--prefill-chunks", "512", "--max-model-len",
+                                "2048", *extra) as base:
         yield base + "/v1"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +102,7 @@ def test_bad_arguments_name_their_flag(kwargs, flag):
 
 
 def test_an_endpoint_that_cannot_be_reached_names_base_url():
-    url = f"http://127.0.0.1:{_free_port()}/v1"  # nothing listens there
+    url = f"http://127.0.0.1:{serving.free_port()}/v1"  # nothing listens there
     for model in (None, MODEL):  # GET /models, then POST /completions
         with pytest.raises(ValueError, match=r"--base-url: could not reach http://127\.0\.0\.1:\d+/v1/\w+ "
                                              r"\(connection refused\)"):
