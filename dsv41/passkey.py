@@ -95,7 +95,8 @@ def format_table(rows: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
-def _floats(text: str, name: str) -> list[float]:
+def parse_floats(text: str, name: str) -> list[float]:
+    """Comma-separated numbers of the command-line flag `name` (a ConfigError naming it otherwise)."""
     try:
         return [float(t) for t in text.split(",") if t.strip()]
     except ValueError:
@@ -125,7 +126,7 @@ def run(args) -> int:
         contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     except ValueError:
         raise ConfigError("--contexts", args.contexts, "expected comma-separated whole token counts") from None
-    depths = _floats(args.depths, "--depths")
+    depths = parse_floats(args.depths, "--depths")
     if args.n < 1:
         raise ConfigError("--n", args.n, "expected at least 1 prompt per cell")
     if args.weights is not None:

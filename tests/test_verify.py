@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import dsv41
-from dsv41 import cli, passkey, verify
+from dsv41 import cli, passkey, verify, verify_report
 from dsv41.errors import ConfigError
 
 # The accuracy prompts fill the sweep's capacity (512 + 128) and both prefill in 256-token chunks at batch 1, so the
@@ -24,6 +24,7 @@ def report(tmp_path_factory):
     args = cli.build_parser().parse_args(
         ["verify", "--contexts", str(CONTEXT), "--accuracy-contexts", str(ACC_CONTEXT), "--depths", str(DEPTH),
          "--n", str(N), "--seed", str(SEED), "--chunk", str(CHUNK), "--variants", "shipped,fp8-kv,quant-none",
+         "--full-size-contexts", "",  # the full-size lowering is compile_report's, tested there
          "--out", str(out)])
     assert verify.run(args) == 0
     return out, json.loads((out / "results.json").read_text())
@@ -79,8 +80,8 @@ def test_the_report_against_independent_sources(report):
     for name in r["plots"]:
         head = (out / name).read_bytes()[:24]
         assert head[:8] == b"\x89PNG\r\n\x1a\n"
-        assert struct.unpack(">II", head[16:24]) == (verify.PLOT_SIZE[0] * verify.PLOT_DPI,
-                                                     verify.PLOT_SIZE[1] * verify.PLOT_DPI)
+        assert struct.unpack(">II", head[16:24]) == (verify_report.PLOT_SIZE[0] * verify_report.PLOT_DPI,
+                                                     verify_report.PLOT_SIZE[1] * verify_report.PLOT_DPI)
         assert f"({name})" in text
     doctor = {d["check"]: d["status"] for d in r["doctor"]}
     assert doctor["shipped: cache bytes = formula"] == "ok" and doctor["fp8-kv: cache bytes = formula"] == "ok"
