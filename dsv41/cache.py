@@ -1,8 +1,8 @@
 """The inference cache (DESIGN §6): one explicit pytree, outside the modules, in the stored formats.
 
 Per Full layer (the layers that own a compressor): the packed FP4 main entries (FP8, one code a byte,
-with `kv_cache.global_kv_dtype: fp8`) with their E4M3 scales, the packed FP4 indexer keys with their UE8M0 scales, both [B, max_len // ratio, ·], and the
-compressor leftovers (fp32 wkv·x and wgate·x of the tokens of the unfinished group), stacked like the
+with `kv_cache.global_kv_dtype: fp8`) with their E4M3 scales, the packed FP4 indexer keys with their
+UE8M0 scales, both [B, max_len // ratio, ·], and the compressor leftovers (fp32 wkv·x and wgate·x of the tokens of the unfinished group), stacked like the
 parameters: one `CompressedKV` per stack slot that owns a compressor (`store_slots`), each leaf with a
 leading layers axis [G, B, ·] over the stack's groups, so a scanned layer reads and writes its own
 slice in place (`layer_stores` gives the per-layer view). Per layer: the FP8 window ring with its
@@ -48,7 +48,8 @@ class CompressedKV:
     the stack's groups; below, one layer's shapes. The float cache holds entries [B, T, K] and index_keys
     [B, T, dI] in the compute dtype and scale leaves [B, T, 0])."""
 
-    entries: jax.Array        # uint8 [B, T, K/2]     FP4 E2M1, two per byte (even element low nibble); FP8: [B, T, K]
+    entries: jax.Array        # uint8 [B, T, K/2]     FP4 E2M1, two per byte (even element low nibble);
+                              #   FP8 main KV: [B, T, K], one E4M3 code a byte
     entry_scales: jax.Array   # uint8 [B, T, K/16]     the bits of E4M3 scales
     index_keys: jax.Array     # uint8 [B, T, dI/2]    FP4 E2M1
     index_scales: jax.Array   # uint8 [B, T, dI/32]    the bits of UE8M0 scales

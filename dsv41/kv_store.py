@@ -1,8 +1,8 @@
 """The cache's stores as a layer reads and writes them (DESIGN §3.8, §6): ring slots, rows, bytes to floats.
 
 A store is a [B, T, ...] leaf of `cache.Cache`: the FP8 window ring (slot p % W holds position p), a Full
-layer's FP4 (or, with `kv_cache.global_kv_dtype: fp8`, FP8) entries with their E4M3 scale bytes and its MXFP4 indexer keys with their UE8M0 scale bytes,
-the one-byte codes kept as uint8 (`quant.to_bytes`). The float cache (`quant: none`, V4 compat) holds the
+layer's FP4 (or, with `kv_cache.global_kv_dtype: fp8`, FP8) entries with their E4M3 scale bytes and its
+MXFP4 indexer keys with their UE8M0 scale bytes, the one-byte codes kept as uint8 (`quant.to_bytes`). The float cache (`quant: none`, V4 compat) holds the
 values themselves, which the dequantisers pass through. Plain JAX over `dsv41.quant`: the cached attention
 step (`nn.attention.Attention.step`) and the kernels' references (`dsv41.kernels`) read the stores through these.
 """
@@ -118,12 +118,14 @@ def main_kv_format(cfg) -> str:
     fmt = MAIN_KV_FORMATS.get((kv.global_kv_dtype, kv.global_kv_scale))
     if fmt is None:
         raise ConfigError("kv_cache.global_kv_dtype", f"{kv.global_kv_dtype} / {kv.global_kv_scale}",
-                          "expected a main KV format the cache stores: " + ", ".join(f"{d} with {s}" for d, s in MAIN_KV_FORMATS))
+                          "expected a main KV format the cache stores: "
+                          + ", ".join(f"{d} with {s}" for d, s in MAIN_KV_FORMATS))
     checks = [("kv_cache.global_kv_rope_dtype", kv.global_kv_rope_dtype, None),
               ("kv_cache.global_kv_entry_align_bytes", kv.global_kv_entry_align_bytes, 1)]
     for field, value, want in checks:
         if value != want:
-            raise ConfigError(field, value, f"expected {want} (the V4.1 cache stores the RoPE dims like the rest, unpadded)")
+            raise ConfigError(field, value,
+                              f"expected {want} (the V4.1 cache stores the RoPE dims like the rest, unpadded)")
     if (kv.swa_kv_dtype, kv.swa_kv_scale) not in WINDOW_FORMATS:
         raise ConfigError("kv_cache.swa_kv_dtype", f"{kv.swa_kv_dtype} / {kv.swa_kv_scale}",
                           "expected fp8 with ue8m0_per_32_channel, the window format the cache stores")

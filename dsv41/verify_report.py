@@ -64,7 +64,8 @@ def plots(results: dict, out: Path) -> list[str]:
                 ax.plot([r["context"] for r in rows], [r["weighted_relative"] for r in rows], "s:",
                         label=f"{r_name}, weighted")
         ax.axhline(1.25, color="gray", ls=":", label="V4.1 report: +25 % from 4K to 1M")
-        ax.set(xscale="log", xlabel="context (tokens)", ylabel=f"relative to {results['base_context'] if results['base_context'] in ctx else ctx[0]}",
+        base = results["base_context"] if results["base_context"] in ctx else ctx[0]
+        ax.set(xscale="log", xlabel="context (tokens)", ylabel=f"relative to {base}",
                title="Decode FLOPs per token against context", ylim=(0, None))
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -93,6 +94,11 @@ def plots(results: dict, out: Path) -> list[str]:
         fig.tight_layout()
         save(fig, "accuracy.png")
     return names
+
+
+def _cell(rows, context_depth) -> float:
+    """The accuracy of the (context, depth) cell of `rows` (NaN where it was not measured)."""
+    return next((r["accuracy"] for r in rows if (r["context"], r["depth"]) == context_depth), float("nan"))
 
 
 def _md_table(header, rows) -> list[str]:
@@ -147,8 +153,7 @@ def report_md(results: dict) -> str:
         logits = results.get("logits", {})
         lines += _md_table(["variant"] + [f"{c}@{d:g}" for c, d in cells]
                            + ["mean", "top-1 / KL vs uncompressed", "top-1 / KL vs quant none"],
-                           [[name] + [f"{next((r['accuracy'] for r in rows if (r['context'], r['depth']) == cd), float('nan')):.0%}"
-                                      for cd in cells]
+                           [[name] + [f"{_cell(rows, cd):.0%}" for cd in cells]
                             + [f"{np.mean([r['accuracy'] for r in rows]):.0%}"]
                             + ([f"{logits[name]['top1_agreement']:.1%} / {logits[name]['mean_kl']:.2e}",
                                 f"{logits[name]['top1_agreement_quant_none']:.1%} / {logits[name]['mean_kl_quant_none']:.2e}"]
@@ -158,7 +163,7 @@ def report_md(results: dict) -> str:
             lines += ["", f"Logits: the {next(iter(logits.values()))['positions']} answer positions of the depth-0.5 "
                       f"prompts at {next(iter(logits.values()))['context']} tokens, the answer fed back; KL in nats."]
         lines += ["", "Variants: " + "; ".join(f"**{k}**: {v}" for k, v in results["variant_descriptions"].items()
-                                                if k in acc), ""]
+                                                if k in acc) + ".", ""]
     if results.get("table"):
         lines += ["## Memory × latency × accuracy", ""]
         lines += _md_table(["variant", "context", "B/token", "cache MiB", "decode ms/token", "accuracy"],
@@ -169,7 +174,8 @@ def report_md(results: dict) -> str:
     if results.get("client"):
         lines += [verify_client.format_client(results["client"]), ""]
     lines += ["## Doctor", ""]
-    lines += _md_table(["check", "status", "detail"], [[d["check"], d["status"], d["detail"]] for d in results["doctor"]])
+    lines += _md_table(["check", "status", "detail"],
+                       [[d["check"], d["status"], d["detail"]] for d in results["doctor"]])
     return "\n".join(lines) + "\n"
 
 

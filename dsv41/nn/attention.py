@@ -235,7 +235,6 @@ class Attention(nnx.Module):
             # The attention kernel reads FP4 entries; FP8 entries take the gathered reference path.
             if picks is not None and (not quantised or self.kernel_impl() == "reference" or banded
                                       or self.main_kv != quant.FP4_E4M3_16):
-                store = stores[rec.kv_source]
                 sel = dequant_entries(store.gather("entries", picks), store.gather("entry_scales", picks))
                 sel, sel_ok = sel.astype(kv.dtype), picks >= 0
         if sel is not None or shared is not None or not quantised or self.kernel_impl() == "reference" or banded:
