@@ -316,10 +316,8 @@ def memory(params, cfg, contexts, variants, *, chunk: int, seed: int, settle_s: 
         fixed = accounting.fixed_bytes_per_sequence(vcfg)["total"]
         caps = [cache_length(vcfg, c + NEW_TOKENS) for c in contexts]
         shapes = {cap: cache_lib.nbytes(cache_lib.abstract_cache(vcfg, 1, cap)) for cap in caps}
-        lo, hi = min(caps), max(caps)
-        step = cache_length(vcfg, 1)
-        hi2 = hi + 64 * step
-        measured_per_token = (cache_lib.nbytes(cache_lib.abstract_cache(vcfg, 1, hi2)) - shapes[hi]) / (hi2 - hi)
+        hi = max(caps)
+        measured_per_token = bytes_per_token(vcfg, hi)
         packed = vcfg.quant == "qat"
         row = {"config": VARIANTS[name][0], "bytes_per_token_formula": per_token,
                "bytes_per_token_measured": measured_per_token, "fixed_bytes_formula": fixed,
@@ -341,6 +339,17 @@ def memory(params, cfg, contexts, variants, *, chunk: int, seed: int, settle_s: 
         progress(f"memory: {name}: {measured_per_token:g} B/token (formula {per_token:g}), peak "
                  f"{req['memory']['peak_during'] / 2**20:.0f} MiB")
     return out
+
+
+def bytes_per_token(cfg, capacity: int) -> float:
+    """The cache's bytes per token as its pytree holds them: the growth of one row's leaves (shapes only, no
+    memory) from `capacity` to 64 capacity steps more, per token."""
+    from dsv41 import cache as cache_lib
+    from dsv41.generate import cache_length
+
+    more = capacity + 64 * cache_length(cfg, 1)
+    size = lambda cap: cache_lib.nbytes(cache_lib.abstract_cache(cfg, 1, cap))
+    return (size(more) - size(capacity)) / (more - capacity)
 
 
 def _whole(x):
@@ -482,8 +491,7 @@ def combined_table(cfg, results: dict) -> list[dict]:
             cap = cache_length(cfg, c + NEW_TOKENS)
             vcfg = _cfg(cfg, reference_overrides(cap) if name == REFERENCE else VARIANTS[name][1](cap))
             size = cache_lib.nbytes(cache_lib.abstract_cache(vcfg, 1, cap))
-            step = 64 * cache_length(vcfg, 1)
-            per_token = (cache_lib.nbytes(cache_lib.abstract_cache(vcfg, 1, cap + step)) - size) / step
+            per_token = bytes_per_token(vcfg, cap)
             out.append({"variant": name, "context": c, "bytes_per_token": per_token, "cache_mib": size / 2**20,
                         "decode_ms_per_token": speed.get(c) if name == "shipped" else None,
                         "accuracy": float(np.mean([r["accuracy"] for r in rows])) if rows else None})
