@@ -15,14 +15,16 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
 
 
-_COMPILE_CACHE = {"dir": None, "hits": 0, "saved_s": 0.0}
+_COMPILE_CACHE = {"dir": None, "owner": False, "hits": 0, "saved_s": 0.0}
+_SHARED_DIR = "DSV41_TEST_COMPILE_CACHE_DIR"  # the session's cache, for pytest-xdist's workers (they inherit it)
 
 
 def pytest_configure(config):
     """One persistent compilation cache for the session (JAX's own, as the CLI uses it): the modules
     compile many of the same programs (tiny's prefill and decode steps at the same shapes), and the
     in-memory cache is cleared after each module (below). A program loaded from it is the one XLA
-    compiled for the same HLO, flags and devices. `DSV41_TEST_COMPILE_CACHE=off` turns it off."""
+    compiled for the same HLO, flags and devices. Under pytest-xdist (`-n 2`, as CI runs) the controller
+    makes the directory and its workers share it. `DSV41_TEST_COMPILE_CACHE=off` turns it off."""
     if os.environ.get("DSV41_TEST_COMPILE_CACHE", "").lower() == "off":
         return
     import tempfile
@@ -31,7 +33,13 @@ def pytest_configure(config):
 
     from dsv41 import compile_cache
 
-    _COMPILE_CACHE["dir"] = compile_cache.enable(tempfile.mkdtemp(prefix="dsv41-tests-jax-cache-"))
+    worker = hasattr(config, "workerinput")
+    shared = os.environ.get(_SHARED_DIR) if worker else None
+    if shared is None:
+        shared = tempfile.mkdtemp(prefix="dsv41-tests-jax-cache-")
+        os.environ[_SHARED_DIR] = shared
+        _COMPILE_CACHE["owner"] = True
+    _COMPILE_CACHE["dir"] = compile_cache.enable(shared)
 
     def count(event, **_):
         if event == "/jax/compilation_cache/cache_hits":
@@ -45,6 +53,14 @@ def pytest_configure(config):
     monitoring.register_event_duration_secs_listener(saved)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller adds up what its workers' caches saved (xdist's hook; `workeroutput` below)."""
+    out = getattr(node, "workeroutput", {})
+    _COMPILE_CACHE["hits"] += out.get("dsv41_cache_hits", 0)
+    _COMPILE_CACHE["saved_s"] += out.get("dsv41_cache_saved_s", 0.0)
+
+
 def pytest_terminal_summary(terminalreporter):
     if _COMPILE_CACHE["dir"] is not None:
         terminalreporter.write_line(f"compilation cache: {_COMPILE_CACHE['hits']} programs loaded instead of "
@@ -52,7 +68,10 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_unconfigure(config):
-    if _COMPILE_CACHE["dir"] is not None:
+    if hasattr(config, "workeroutput"):
+        config.workeroutput["dsv41_cache_hits"] = _COMPILE_CACHE["hits"]
+        config.workeroutput["dsv41_cache_saved_s"] = _COMPILE_CACHE["saved_s"]
+    if _COMPILE_CACHE["dir"] is not None and _COMPILE_CACHE["owner"]:
         import shutil
 
         shutil.rmtree(_COMPILE_CACHE["dir"], ignore_errors=True)

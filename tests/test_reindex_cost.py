@@ -11,7 +11,11 @@ from dsv41 import cache as cache_lib
 from dsv41 import model, steps
 from dsv41.nn.policy import FLOP_COUNTING
 
-LONG = ["context_window=131072", "architecture.rope.max_position=131072"]
+LONG = ["context_window=131072", "architecture.rope.max_position=131072",
+        # The encoder (the same in every variant, so it cancels) cut to its two window-only layers.
+        "csa2.encoder.layers=2", "csa2.encoder.groups=[]",
+        # Only FLOPs are compared here (no picks): fewer indexer heads, each traced apart by the FLOP lowering.
+        "csa2.indexer.query_heads=8"]
 DECODER = {
     2: '[{"size":2,"modes":["full","reuse"]},{"size":2,"modes":["reindex","reuse"]},{"size":2,"modes":["reindex","reuse"]}]',
     1: '[{"size":2,"modes":["full","reuse"]},{"size":2,"modes":["reindex","reuse"]},{"size":2,"modes":["reuse","reuse"]}]',
