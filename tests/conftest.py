@@ -67,10 +67,15 @@ def pytest_terminal_summary(terminalreporter):
                                     f"compiled, {_COMPILE_CACHE['saved_s']:.0f} s of compiling saved")
 
 
+def pytest_sessionfinish(session):
+    """A worker hands its counts to the controller (xdist sends `workeroutput` when the session finishes)."""
+    out = getattr(session.config, "workeroutput", None)
+    if out is not None:
+        out["dsv41_cache_hits"] = _COMPILE_CACHE["hits"]
+        out["dsv41_cache_saved_s"] = _COMPILE_CACHE["saved_s"]
+
+
 def pytest_unconfigure(config):
-    if hasattr(config, "workeroutput"):
-        config.workeroutput["dsv41_cache_hits"] = _COMPILE_CACHE["hits"]
-        config.workeroutput["dsv41_cache_saved_s"] = _COMPILE_CACHE["saved_s"]
     if _COMPILE_CACHE["dir"] is not None and _COMPILE_CACHE["owner"]:
         import shutil
 
