@@ -11,20 +11,31 @@ from fractions import Fraction
 
 from dsv41 import formats, schema
 from dsv41.config import family
-from dsv41.plan import layer_plan
+from dsv41.plan import CSA, layer_plan
 
 GB = 10**9
 
 
+def _split_parts(cfg, name: str, dtype: str, scale: str, rope_dtype: str | None) -> list[formats.Part]:
+    a = cfg.architecture
+    if rope_dtype is None:
+        return [formats.make_part(f"kv_cache.{name}", a.head_dim, dtype, scale)]
+    return [
+        formats.make_part(f"kv_cache.{name}", a.head_dim - a.rope_head_dim, dtype, scale),
+        formats.make_part(f"kv_cache.{name}_rope", a.rope_head_dim, rope_dtype),
+    ]
+
+
 def main_entry_parts(cfg) -> list[formats.Part]:
     """The stored parts of one main global KV entry (V4.1: 512 FP4 + E4M3/16; V4: 448 FP8 + 64 BF16)."""
-    a, kv = cfg.architecture, cfg.kv_cache
-    if kv.global_kv_rope_dtype is None:
-        return [formats.make_part("kv_cache.global_kv", a.head_dim, kv.global_kv_dtype, kv.global_kv_scale)]
-    return [
-        formats.make_part("kv_cache.global_kv", a.head_dim - a.rope_head_dim, kv.global_kv_dtype, kv.global_kv_scale),
-        formats.make_part("kv_cache.global_kv_rope", a.rope_head_dim, kv.global_kv_rope_dtype),
-    ]
+    kv = cfg.kv_cache
+    return _split_parts(cfg, "global_kv", kv.global_kv_dtype, kv.global_kv_scale, kv.global_kv_rope_dtype)
+
+
+def window_row_parts(cfg) -> list[formats.Part]:
+    """The stored parts of one window-ring row (V4.1: 512 FP8 + UE8M0/32; V4: 448 FP8 + UE8M0/64 + 64 BF16)."""
+    kv = cfg.kv_cache
+    return _split_parts(cfg, "swa_kv", kv.swa_kv_dtype, kv.swa_kv_scale, kv.swa_kv_rope_dtype)
 
 
 def index_head_dim(cfg) -> int:
@@ -37,7 +48,7 @@ def entry_bytes(cfg) -> dict[str, Fraction]:
     return {
         "main": formats.entry_bytes(main_entry_parts(cfg), kv.global_kv_entry_align_bytes),
         "index": formats.make_part("kv_cache.index_kv", index_head_dim(cfg), kv.index_kv_dtype, kv.index_kv_scale).bytes,
-        "window": formats.make_part("kv_cache.swa_kv", cfg.architecture.head_dim, kv.swa_kv_dtype, kv.swa_kv_scale).bytes,
+        "window": sum((p.bytes for p in window_row_parts(cfg)), Fraction(0)),
     }
 
 
@@ -107,13 +118,23 @@ def _layout_bytes(cfg) -> dict:
     }
 
 
+def _leftover_values(cfg, r) -> int:
+    """fp32 values a compressor keeps of its unfinished group: (ratio − 1) tokens of wkv·x | wgate·x; V4's
+    overlapped CSA compressor 2·ratio − 1 tokens of its two series (4K), and its indexer's own compressor the
+    same at the indexer's width."""
+    k = cfg.architecture.head_dim
+    if r.mode == CSA:
+        return (2 * r.ratio - 1) * 4 * (k + index_head_dim(cfg))
+    return (r.ratio - 1) * 2 * k
+
+
 def fixed_bytes_per_sequence(cfg) -> dict:
     """The per-sequence part of the inference cache that does not grow with the context.
 
     window_rings: every layer's FP8 ring of `swa_window_size` rows; leftovers: the fp32 wkv·x and
-    wgate·x of the (ratio − 1) tokens a ratio > 1 compressor may hold; pool: the int32 candidate
-    blocks of the last step; lengths: one int32; window_starts: per layer, the first position its ring
-    holds (0, or the replay start after a CED prefill); recent_tokens: the int32 Engram look-back.
+    wgate·x of the (ratio − 1) tokens a ratio > 1 compressor may hold; lengths: one int32; window_starts:
+    per layer, the first position its ring holds (0, or the replay start after a CED prefill);
+    recent_tokens: the int32 Engram look-back.
     """
     plan = layer_plan(cfg)
     a = cfg.architecture
@@ -121,9 +142,7 @@ def fixed_bytes_per_sequence(cfg) -> dict:
     int32, fp32 = 4, 4
     parts = {
         "window_rings": _number(len(plan) * cfg.kv_cache.swa_window_size * sizes["window"]),
-        "leftovers": sum((r.ratio - 1) * 2 * a.head_dim * fp32 for r in plan if r.stores_entries),
-        "pool": int32 * cfg.csa2.indexer.hierarchical.max_blocks
-        if any(r.candidate_source is not None for r in plan) else 0,
+        "leftovers": sum(_leftover_values(cfg, r) * fp32 for r in plan if r.stores_entries),
         "lengths": int32,
         "window_starts": int32 * len(plan),
         "recent_tokens": int32 * (a.engram.max_ngram - 1) if list(a.engram.layers) else 0,

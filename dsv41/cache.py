@@ -8,8 +8,9 @@ leading layers axis [G, B, ·] over the stack's groups, so a scanned layer reads
 slice in place (`layer_stores` gives the per-layer view). Per layer: the FP8 window ring with its
 UE8M0 scales, stacked the same way: one leaf per stack slot (`ring_slots`), [N, B, W, ·] over the
 slot's layers (`ring_layers`: group by group, a run's layers in order; `layer_rings` gives them in
-layer order). Per sequence: its length, the candidate pool chosen at the
-last step and the last tokens the Engram n-gram hashes look back on. Every shape is static. The
+layer order). Per sequence: its length and the last tokens the Engram n-gram hashes look back on.
+Every shape is static; a capacity is rounded up to a multiple of every compression ratio
+(`round_capacity`). The
 one-byte formats are kept as their bits (uint8): a gather then moves bytes and nothing converts a
 whole store (`quant.to_bytes` / `quant.from_bytes` convert).
 
@@ -18,11 +19,13 @@ with the entries [B, T, K], indexer keys [B, T, dI] and window rings [N, B, W, K
 and every scale leaf empty ([..., 0]); the steps then store and read exactly the values the
 teacher-forced forward computes, and run the XLA reference paths (the kernels read packed bytes).
 
-V4 (compat, DESIGN §4) runs unquantised (`quant: none`, as the released transformers V4 does), so its
-cache is the float cache too: the window ring and every CSA/HCA layer's entries (and a CSA layer's
-indexer keys) as floats. Its overlapped CSA compressors look back one whole window, so their
-leftovers hold 2·ratio − 1 tokens, and a CSA layer's indexer (its own compressor) keeps its own
-leftovers. The byte accounting (`expected_bytes`) describes the quantised V4.1 cache only.
+V4 (compat, DESIGN §4) with `quant: qat` stores its own formats, as its official inference does: every
+window row and CSA/HCA entry one `kv_store.RopeSplitFP8` record of bytes (FP8 NoPE channels with their
+UE8M0 scales and BF16 RoPE channels; V4-Flash's entry 584 bytes, its ring row 583), its scale leaves empty;
+a CSA layer's indexer keys MXFP4 after the Hadamard rotation, packed like V4.1's. With `quant: none` (what
+the released transformers V4 runs) its cache is the float cache. Its overlapped CSA compressors look back
+one whole window, so their leftovers hold 2·ratio − 1 tokens, and a CSA layer's indexer (its own
+compressor) keeps its own leftovers. The byte accounting (`expected_bytes`) describes both quantised caches.
 """
 
 from __future__ import annotations
@@ -67,8 +70,7 @@ class HostMirror:
 
 
 @functools.partial(jax.tree_util.register_dataclass, meta_fields=(),
-                   data_fields=("lengths", "window", "window_scales", "compressed", "window_start", "pool_blocks",
-                                "recent_tokens"))
+                   data_fields=("lengths", "window", "window_scales", "compressed", "window_start", "recent_tokens"))
 @dataclasses.dataclass
 class Cache:
     """The whole inference state (as packed; the float cache: window [N, B, W, K] in the compute dtype and
@@ -81,7 +83,6 @@ class Cache:
     window_scales: tuple      # uint8 [N, B, W, K/32] per stack slot: the bits of UE8M0 scales
     compressed: tuple         # CompressedKV per stack slot that owns a compressor (`store_slots`), [G, B, ...]
     window_start: jax.Array   # int32 [L, B]          the first position each ring holds (CED replay start)
-    pool_blocks: jax.Array    # int32 [B, max_blocks]  the candidate blocks of the last step (-1: none)
     recent_tokens: jax.Array  # int32 [B, max_ngram-1] the last tokens (Engram look-back), -1 before start
     mirror: HostMirror | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -193,7 +194,9 @@ def _shapes(cfg, batch: int, max_len: int) -> dict:
 def _shapes_v4(cfg, batch: int, max_len: int) -> dict:
     a = cfg.architecture
     k, w, d_i = a.head_dim, cfg.kv_cache.swa_window_size, cfg.v4.indexer.head_dim
-    dtype = policy_lib.from_config(cfg).compute_dtype
+    packed = cfg.quant == "qat"  # V4's formats (`kv_store.RopeSplitFP8` records, MXFP4 keys); else floats
+    dtype = jnp.uint8 if packed else policy_lib.from_config(cfg).compute_dtype
+    main, window = kv_store.v4_records(cfg) if packed else (None, None)
     plan = layer_plan(cfg)
     compressed = []
     for r in plan:
@@ -204,27 +207,25 @@ def _shapes_v4(cfg, batch: int, max_len: int) -> dict:
         # two-part (Ca | Cb) projections, kv | gate each.
         held, width = (2 * r.ratio - 1, 4) if csa else (r.ratio - 1, 2)
         compressed.append(CompressedKV(
-            entries=_sds((batch, t, k), dtype),
+            entries=_sds((batch, t, main.row_bytes if packed else k), dtype),
             entry_scales=_sds((batch, t, 0), jnp.uint8),
-            index_keys=_sds((batch, t, d_i if csa else 0), dtype),
-            index_scales=_sds((batch, t, 0), jnp.uint8),
+            index_keys=_sds((batch, t, (d_i // 2 if packed else d_i) if csa else 0), dtype),
+            index_scales=_sds((batch, t, d_i // quant.BLOCK[quant.MXFP4] if packed and csa else 0), jnp.uint8),
             leftover=_sds((batch, held, width * k), jnp.float32),
             index_leftover=_sds((batch, held if csa else 0, 4 * d_i if csa else 0), jnp.float32),
         ))
-    return _common(cfg, plan, batch, _rings(cfg, (batch, w, k), dtype), _rings(cfg, (batch, w, 0), jnp.uint8),
-                   _stacked(cfg, compressed))
+    return _common(cfg, plan, batch, _rings(cfg, (batch, w, window.row_bytes if packed else k), dtype),
+                   _rings(cfg, (batch, w, 0), jnp.uint8), _stacked(cfg, compressed))
 
 
 def _common(cfg, plan, batch: int, window, window_scales, compressed) -> dict:
     a = cfg.architecture
-    pool = cfg.csa2.indexer.hierarchical.max_blocks if any(r.candidate_source is not None for r in plan) else 0
     return dict(
         lengths=_sds((batch,), jnp.int32),
         window=window,
         window_scales=window_scales,
         compressed=tuple(compressed),
         window_start=_sds((len(plan), batch), jnp.int32),
-        pool_blocks=_sds((batch, pool), jnp.int32),
         recent_tokens=_sds((batch, a.engram.max_ngram - 1 if list(a.engram.layers) else 0), jnp.int32),
     )
 
@@ -254,33 +255,39 @@ def quantised(cache: Cache) -> bool:
     return cache.window[0].dtype == jnp.uint8
 
 
-def check_capacity(cfg, max_len: int) -> None:
+def round_capacity(cfg, max_len: int) -> int:
+    """The capacity of a cache row that holds `max_len` tokens: `max_len` rounded up to a multiple of every
+    compression ratio (a row's stores hold whole entries), at most the context window."""
     if cfg.architecture.family not in (schema.V41, schema.V4):
         raise ConfigError("architecture.family", cfg.architecture.family,
                           f"the inference cache supports {schema.V41!r} and {schema.V4!r}")
+    if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len <= 0:
+        raise ConfigError("max_len", max_len, "expected a positive whole number of tokens")
     ratios = sorted({r.ratio for r in layer_plan(cfg) if r.ratio})
     step = math.lcm(*ratios) if ratios else 1
-    if not isinstance(max_len, int) or max_len <= 0 or max_len % step:
-        raise ConfigError("max_len", max_len, f"expected a positive multiple of {step} (the compression ratios {ratios})")
-    if max_len > cfg.context_window:
-        raise ConfigError("max_len", max_len,
-                          f"expected at most context_window = {cfg.context_window} (the maximum context length)")
+    capacity = -(-int(max_len) // step) * step
+    if capacity > cfg.context_window:
+        rounded = "" if capacity == max_len else (f", got {capacity}: {max_len} rounded up to a multiple of {step} "
+                                                  f"(the compression ratios {ratios})")
+        raise ConfigError("max_len", max_len, f"expected a capacity of at most context_window = {cfg.context_window} "
+                          f"(the maximum context length){rounded}")
+    return capacity
 
 
 def abstract_cache(cfg, batch: int, max_len: int) -> Cache:
-    """The cache's shapes and dtypes without memory (for sizing a 1M-token cache)."""
-    check_capacity(cfg, max_len)
-    return Cache(**_shapes(cfg, batch, max_len))
+    """The cache's shapes and dtypes without memory (for sizing a 1M-token cache); its capacity is
+    `round_capacity(cfg, max_len)`."""
+    return Cache(**_shapes(cfg, batch, round_capacity(cfg, max_len)))
 
 
 def init_cache(cfg, batch: int, max_len: int) -> Cache:
-    """An empty cache for `batch` rows of up to `max_len` tokens (a multiple of the compression ratios)."""
+    """An empty cache for `batch` rows of up to `max_len` tokens, its capacity rounded up to a multiple of
+    the compression ratios (`round_capacity`; `steps.capacity` reads it back)."""
     shapes = abstract_cache(cfg, batch, max_len)
     # All-zero bytes: +0 values and the smallest scales (the UE8M0 byte 0 is 2^-127; there is no UE8M0 zero).
     cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     recent = np.full(shapes.recent_tokens.shape, -1, np.int32)
-    cache = dataclasses.replace(cache, pool_blocks=jnp.full(shapes.pool_blocks.shape, -1, jnp.int32),
-                                recent_tokens=jnp.asarray(recent))
+    cache = dataclasses.replace(cache, recent_tokens=jnp.asarray(recent))
     return with_mirror(cache, np.zeros((batch,), np.int64), recent)
 
 
@@ -290,24 +297,23 @@ def nbytes(cache) -> int:
 
 
 def expected_bytes(cfg, batch: int, max_len: int) -> dict:
-    """The accounting the cache must equal: kv_bytes_per_token × capacity + the fixed per-sequence part
-    (the quantised V4.1 cache; a float cache, V4 compat or quant none, is not what it describes)."""
-    if cfg.architecture.family != schema.V41:
-        raise ConfigError("architecture.family", cfg.architecture.family,
-                          f"expected {schema.V41!r}: the V4 compat cache stores floats, not V4's published formats")
+    """The accounting the cache of `init_cache(cfg, batch, max_len)` must equal: kv_bytes_per_token × its
+    capacity (`round_capacity`) + the fixed per-sequence part (the quantised cache, V4.1's or V4's; a float
+    cache, quant none, is not what it describes)."""
     if cfg.quant != "qat":
-        raise ConfigError("quant", cfg.quant, "expected 'qat': the byte accounting describes the quantised V4.1 "
-                          "cache, and quant 'none' stores floats (cache.nbytes gives their size)")
+        raise ConfigError("quant", cfg.quant, "expected 'qat': the byte accounting describes the quantised cache "
+                          "(its stored formats), and quant 'none' stores floats (cache.nbytes gives their size)")
+    capacity = round_capacity(cfg, max_len)
     per_token = accounting.kv_bytes_per_token(cfg)["total"]
     fixed = accounting.fixed_bytes_per_sequence(cfg)
-    return {"global_kv": batch * per_token * max_len, "fixed": batch * fixed["total"],
-            "total": batch * (per_token * max_len + fixed["total"])}
+    return {"global_kv": batch * per_token * capacity, "fixed": batch * fixed["total"],
+            "total": batch * (per_token * capacity + fixed["total"])}
 
 
 def _row_axis(path) -> int:
-    """Where a cache leaf keeps its rows: [B, ·] for lengths, pool_blocks and recent_tokens; [N, B, ·]
-    (a leading layers axis) for the rings, the stores and window_start."""
-    return 0 if path[0].name in ("lengths", "pool_blocks", "recent_tokens") else 1
+    """Where a cache leaf keeps its rows: [B, ·] for lengths and recent_tokens; [N, B, ·] (a leading layers
+    axis) for the rings, the stores and window_start."""
+    return 0 if path[0].name in ("lengths", "recent_tokens") else 1
 
 
 def take_rows(cache: Cache, rows) -> Cache:

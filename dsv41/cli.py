@@ -126,11 +126,9 @@ def cmd_generate(args) -> int:
     import time
     from pathlib import Path
 
-    import jax
-    from tqdm import tqdm
-
     from dsv41 import generate as generate_lib
-    from dsv41 import model, tokenizer as tokenizer_lib
+    from dsv41 import progress, tokenizer as tokenizer_lib
+    from dsv41.convert import command_params
 
     cfg = load_config(args.config, args.set)
     tok = tokenizer_lib.load_tokenizer(cfg, args.tokenizer)
@@ -149,13 +147,16 @@ def cmd_generate(args) -> int:
                    top_k=args.top_k, stop_tokens=stop, vocab_limit=tok.vocab_size, loop=args.loop, block=args.block,
                    seed=args.seed)
     generate_lib.check_request(cfg, [prompt], chunk=512, **request)  # before the slow part: bad input fails fast
-    params = model.init_params(cfg, jax.random.key(args.seed))
+    params, weights = command_params(cfg, args.config, args.weights, seed=args.seed)
+    if weights is None:
+        print(f"no --weights: random parameters (seed {args.seed}); the numbers are real, the text is not",
+              file=sys.stderr)
     if args.prefix_cache is not None:
         from dsv41.prefix_cache import PrefixCache
 
         request["prefix_cache"] = PrefixCache(cfg, params, args.prefix_cache)
 
-    bar = tqdm(total=len(prompt), desc="prefill", unit="tok", file=sys.stderr, leave=False)
+    bar = progress.bar(total=len(prompt), desc="prefill", unit="tok", leave=False)
     stream, times = tok.stream(), []
 
     prefilled = [None]
@@ -207,11 +208,14 @@ def prefix_cache_summary(before, after, block: int, prompt_tokens: int) -> str:
 
 
 def cmd_demo(args) -> int:
-    from dsv41 import demo
+    from dsv41 import demo, progress
 
-    report = demo.run(args.config, args.prompt_tokens, args.new_tokens, args.chunk, args.seed,
-                      progress=lambda msg: print(f"\r{msg:<40}", end="", file=sys.stderr, flush=True), depth=args.depth)
-    print(file=sys.stderr)
+    status = progress.Status()
+    try:
+        report = demo.run(args.config, args.prompt_tokens, args.new_tokens, args.chunk, args.seed, progress=status,
+                          depth=args.depth)
+    finally:
+        status.close()
     if args.json:
         print(json.dumps(report))
     return 0
@@ -219,7 +223,11 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="dsv41", description="DeepSeek-V4.1-Flash in JAX: configs, layer plan, KV accounting.",
+        prog="dsv41", description="DeepSeek-V4.1-Flash in JAX: the passkey demo through the compressed KV cache "
+        "(demo), KV bytes per token (kv-report), layer plans (plan), parameter counts (params), text generation "
+        "(generate), training (train), checkpoint conversion (convert), TPU compile reports (compile-report), "
+        "passkey accuracy (passkey), an OpenAI-compatible server (serve) and the compression's verification "
+        "(verify).",
         epilog="example: dsv41 kv-report --json")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -254,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_kv_report)
 
     p = sub.add_parser(
-        "generate", help="generate text from a prompt (random parameters from --seed until checkpoints exist)",
+        "generate", help="generate text from a prompt (--weights, else the config's shipped weights, else random "
+                         "parameters from --seed)",
         description="Streams the generated text to stdout; prefill progress and a summary (prompt and generated "
                     "tokens, prefill seconds, decode tokens/s) go to stderr. Prefill seconds run to the first "
                     "token and include compilation; the decode rate leaves out the first decode step, which "
@@ -283,8 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], metavar="ID|TEXT",
                    help="stop at this token, given as an id or as text that is one token; not printed "
                         "(repeatable)")
+    p.add_argument("--weights", metavar="PATH",
+                   help="a .safetensors weights file of the config (`dsv41 train --export`, `dsv41 convert`); "
+                        "default: the weights shipped with --config (passkey's), else random parameters from --seed")
     p.add_argument("--seed", type=int, default=0, metavar="N",
-                   help="seeds the parameters and the sampling (default: 0)")
+                   help="seeds the sampling, and the parameters when no weights are loaded (default: 0)")
     p.add_argument("--prefix-cache", metavar="DIR",
                    help="reuse and store the global KV of prompt prefixes in DIR (DESIGN §7; V4.1)")
     p.set_defaults(func=cmd_generate)

@@ -251,7 +251,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--topology", required=True, help="TPU topology, e.g. v5p:4x4x4, v6e:4x4, v5e:2x4")
     p.add_argument("--batch", type=int, required=True, help="sequences per decode step (a multiple of the mesh)")
-    p.add_argument("--context", type=int, required=True, help="cache capacity in tokens")
+    p.add_argument("--context", type=int, required=True,
+                   help="cache capacity in tokens (rounded up to a multiple of the compression ratios)")
     p.add_argument("--weights", choices=WEIGHTS, default="fp8")
     p.add_argument("--mesh", default=None, help="axis sizes, e.g. data=4,expert=16 (default: all chips on expert)")
     p.add_argument("--rules", choices=sorted(sh.PRESETS), default="serve")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import ml_collections
 
-from dsv41 import formats, schema
+from dsv41 import formats, kv_store, schema
 from dsv41.errors import ConfigError
 
 CONFIG_SUFFIXES = (".json", ".toml", ".py")
@@ -326,6 +326,11 @@ def _validate_common(cfg) -> None:
                           f"expected a divisor of num_heads ({a.num_heads})")
     _positive(cfg, *(f"architecture.rope.{k}" for k in (
         "theta", "compressed_theta", "yarn_factor", "yarn_original_max_position", "max_position")))
+    _one_of(cfg, "architecture.rope.compressed_rope_type", ("yarn", "default"))
+    if a.tie_embeddings:
+        raise ConfigError("architecture.tie_embeddings", a.tie_embeddings,
+                          "expected false: the model keeps a separate embedding and output head (tied weights "
+                          "are not implemented)")
     m = a.moe
     _positive(cfg, "architecture.moe.num_experts", "architecture.moe.top_k",
               "architecture.moe.intermediate_size", "architecture.moe.route_scale",
@@ -364,8 +369,9 @@ def _validate_common(cfg) -> None:
     kv = cfg.kv_cache
     for name in ("global_kv_dtype", "swa_kv_dtype", "index_kv_dtype"):
         formats.check_dtype(f"kv_cache.{name}", kv[name])
-    if kv.global_kv_rope_dtype is not None:
-        formats.check_dtype("kv_cache.global_kv_rope_dtype", kv.global_kv_rope_dtype)
+    for name in ("global_kv_rope_dtype", "swa_kv_rope_dtype"):
+        if kv[name] is not None:
+            formats.check_dtype(f"kv_cache.{name}", kv[name])
     _positive(cfg, "kv_cache.swa_window_size", "kv_cache.global_kv_entry_align_bytes")
     _non_negative(cfg, "kv_cache.persistent_cache.global_kv_ttl_hours",
                   "kv_cache.persistent_cache.swa_kv_ttl_minutes")
@@ -379,8 +385,9 @@ def _validate_common(cfg) -> None:
     if main_scale:
         _divisible("architecture.head_dim", main_width, main_scale.block,
                    f"the main KV scale block of kv_cache.global_kv_scale='{kv.global_kv_scale}'")
+    swa_width = a.head_dim if kv.swa_kv_rope_dtype is None else a.head_dim - a.rope_head_dim
     if swa_scale:
-        _divisible("architecture.head_dim", a.head_dim, swa_scale.block,
+        _divisible("architecture.head_dim", swa_width, swa_scale.block,
                    f"the window KV scale block of kv_cache.swa_kv_scale='{kv.swa_kv_scale}'")
     index_dim_path = "csa2.indexer.head_dim" if family(cfg) == schema.V41 else "v4.indexer.head_dim"
     if index_scale:
@@ -458,9 +465,12 @@ def _validate_v4(cfg) -> None:
     if cfg.architecture.moe.hash_layers > len(v4.layer_types):
         raise ConfigError("architecture.moe.hash_layers", cfg.architecture.moe.hash_layers,
                           f"expected at most the number of layers ({len(v4.layer_types)})")
-    if cfg.quant != "none":
-        raise ConfigError("quant", cfg.quant, "expected 'none' for the V4 family: V4's fake-quant formats are not "
-                          "implemented (the released transformers V4 runs without them)")
+    if cfg.quant == "qat":  # V4's own stored formats (DESIGN §4): refuse what its packed cache cannot hold
+        kv_store.v4_records(cfg)
+        d = v4.indexer.head_dim
+        if v4.indexer.hadamard and d & (d - 1):
+            raise ConfigError("v4.indexer.head_dim", d, "expected a power of two for the Hadamard rotation "
+                              "(v4.indexer.hadamard) of the indexer's keys and queries")
     if v4.indexer.head_dim < cfg.architecture.rope_head_dim:
         raise ConfigError("v4.indexer.head_dim", v4.indexer.head_dim,
                           f"expected at least architecture.rope_head_dim ({cfg.architecture.rope_head_dim}): "

@@ -357,6 +357,28 @@ def load_params(path, cfg) -> nnx.State:
                                    model_lib.abstract_params(cfg), cfg)
 
 
+def command_params(cfg, config: str, weights=None, *, seed: int = 0, option: str = "--weights"):
+    """The parameters a command runs with: the weights file `weights` (a `save_params` file, checked as the
+    command-line `option`), else the weights shipped beside the config named `config` (`configs/NAME.safetensors`,
+    `config.shipped_weights`), else random ones from `seed`. Returns (params, the file read or None)."""
+    import jax
+
+    from dsv41 import config as config_lib
+    from dsv41 import model as model_lib
+
+    if weights is not None:
+        path = weights_file(option, weights)
+    else:
+        found = config_lib.resolve(config).resolve()
+        shipped = found.parent == config_lib.configs_dir().resolve()
+        path = config_lib.shipped_weights(found.stem) if shipped else None
+        if path is not None and not path.is_file():
+            path = None
+    if path is None:
+        return model_lib.init_params(cfg, jax.random.key(seed)), None
+    return load_params(path, cfg), path
+
+
 # ------------------------------------------------------------------------------------------------
 # Command line
 
@@ -384,14 +406,13 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from tqdm import tqdm
-
+    from dsv41 import progress as progress_lib
     from dsv41.config import load_config
 
     cfg = load_config(args.config, args.set)
     start = time.perf_counter()
     tensors = read_checkpoint(args.src)
-    bar = tqdm(total=len(tensors), desc=f"convert ({args.source})", unit="tensor", file=sys.stderr, leave=False)
+    bar = progress_lib.bar(total=len(tensors), desc=f"convert ({args.source})", unit="tensor", leave=False)
 
     def progress(done, total):
         bar.total = total

@@ -1,14 +1,17 @@
-"""Multi-host start-up (DESIGN §9): `jax.distributed.initialize` from command-line flags or the environment.
+"""Multi-host start-up (DESIGN §9): `jax.distributed.initialize` from its arguments or the environment.
 
-The same program runs on one CPU and on a pod: with no coordinator given (flags or DSV41_COORDINATOR)
+The same program runs on one CPU and on a pod: with no coordinator given (argument or DSV41_COORDINATOR)
 nothing is initialised on a single process, and on TPU pods / SLURM jax detects the cluster itself
 (`auto=True`). Multi-process CPU runs need cross-process collectives (gloo); the option must be set
 before the CPU backend starts, so `initialize` must run before anything touches a device.
+
+The `dsv41` commands run in one process (`serve --mesh` over its local devices: one HTTP front end feeds
+its engine, which a multi-controller run would need on every process); a multi-host run is a program
+over `dsv41.sharding` that calls `initialize` first, as `tests/test_distributed.py` runs two processes.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import jax
@@ -16,17 +19,6 @@ import jax
 from dsv41.errors import ConfigError
 
 ENV = {"coordinator": "DSV41_COORDINATOR", "num_processes": "DSV41_NUM_PROCESSES", "process_id": "DSV41_PROCESS_ID"}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """--coordinator HOST:PORT --num-processes N --process-id I (each defaulting to its DSV41_* variable)."""
-    g = parser.add_argument_group("multi-host (jax.distributed)")
-    g.add_argument("--coordinator", default=os.environ.get(ENV["coordinator"]),
-                   help=f"coordinator HOST:PORT of process 0 (env {ENV['coordinator']})")
-    g.add_argument("--num-processes", type=int, default=_env_int("num_processes"),
-                   help=f"number of processes (env {ENV['num_processes']})")
-    g.add_argument("--process-id", type=int, default=_env_int("process_id"),
-                   help=f"this process's index, 0..N-1 (env {ENV['process_id']})")
 
 
 def _env_int(field: str):
@@ -64,8 +56,3 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
     return True
-
-
-def from_args(args: argparse.Namespace) -> bool:
-    """initialize() from the flags add_arguments added."""
-    return initialize(args.coordinator, args.num_processes, args.process_id)

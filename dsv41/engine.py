@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41 import steps
-from dsv41.cache import host_view, init_cache, put_rows, take_rows, with_mirror
+from dsv41.cache import host_view, init_cache, put_rows, round_capacity, take_rows, with_mirror
 from dsv41.errors import ConfigError
-from dsv41.generate import Sampling, cache_length, sample_rows
+from dsv41.generate import Sampling, sample_rows
 
 log = logging.getLogger("dsv41.engine")
 
@@ -145,7 +145,7 @@ class Engine:
             raise ValueError("prefix_cache: built for other parameters: expected a PrefixCache of the params served")
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.max_model_len = max_model_len
-        self.capacity = cache_length(cfg, max_model_len)
+        self.capacity = round_capacity(cfg, max_model_len)
         self.slots, self.prefill_rows, self.chunks = slots, prefill_rows, chunks
         self.prefix_cache = prefix_cache
         self.observer = observer

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,6 @@ import numpy as np
 from dsv41 import model as model_lib
 from dsv41.cache import init_cache
 from dsv41.errors import ConfigError
-from dsv41.plan import layer_plan
 from dsv41.steps import bind, step_body
 
 
@@ -72,7 +70,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, temperature, top_p, top_k
     stop = set(check_request(cfg, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              stop_tokens=stop_tokens, chunk=chunk, vocab_limit=vocab_limit, top_k=top_k, seed=seed,
                              loop=loop, block=block))
-    max_len = cache_length(cfg, max(map(len, prompts)) + max_new_tokens)
+    max_len = max(map(len, prompts)) + max_new_tokens  # init_cache rounds it up to the compression ratios
     if prefix_cache is not None:
         if prefix_cache.params is not params or model_lib.config_key(prefix_cache.cfg) != model_lib.config_key(cfg):
             raise ValueError("prefix_cache: built for other parameters or another config: expected a PrefixCache "
@@ -253,12 +251,6 @@ def prefill_chunked(params, cfg, cache, prompts, *, chunk: int = 512, token_map=
         if on_progress is not None:
             on_progress(done, int(lengths.sum()))
     return logits_BV, cache
-
-
-def cache_length(cfg, tokens: int) -> int:
-    """The cache size for `tokens`: the smallest multiple of the compression ratios that holds them."""
-    step = math.lcm(*{r.ratio for r in layer_plan(cfg) if r.ratio})
-    return -(-tokens // step) * step
 
 
 def check_request(cfg, prompts, *, max_new_tokens, temperature, top_p, stop_tokens, chunk,

@@ -106,7 +106,7 @@ MAIN_KV_FORMATS = {
     ("fp8_e4m3", "e4m3_per_16_channel"): quant.FP8_E4M3_16,
 }
 # The window and indexer key formats it stores (one each), by (dtype, scale) as the config names them.
-WINDOW_FORMATS = {("fp8", "ue8m0_per_32_channel"), ("fp8_e4m3", "ue8m0_per_32_channel")}
+WINDOW_FORMATS = {("fp8", "ue8m0_per_32_channel", None), ("fp8_e4m3", "ue8m0_per_32_channel", None)}
 INDEX_FORMATS = {("fp4_e2m1", "ue8m0_per_32_channel")}
 
 
@@ -126,9 +126,10 @@ def main_kv_format(cfg) -> str:
         if value != want:
             raise ConfigError(field, value,
                               f"expected {want} (the V4.1 cache stores the RoPE dims like the rest, unpadded)")
-    if (kv.swa_kv_dtype, kv.swa_kv_scale) not in WINDOW_FORMATS:
-        raise ConfigError("kv_cache.swa_kv_dtype", f"{kv.swa_kv_dtype} / {kv.swa_kv_scale}",
-                          "expected fp8 with ue8m0_per_32_channel, the window format the cache stores")
+    if (kv.swa_kv_dtype, kv.swa_kv_scale, kv.swa_kv_rope_dtype) not in WINDOW_FORMATS:
+        raise ConfigError("kv_cache.swa_kv_dtype", f"{kv.swa_kv_dtype} / {kv.swa_kv_scale} / {kv.swa_kv_rope_dtype}",
+                          "expected fp8 with ue8m0_per_32_channel and no separate RoPE format, the window format the "
+                          "V4.1 cache stores")
     if (kv.index_kv_dtype, kv.index_kv_scale) not in INDEX_FORMATS:
         raise ConfigError("kv_cache.index_kv_dtype", f"{kv.index_kv_dtype} / {kv.index_kv_scale}",
                           "expected fp4_e2m1 with ue8m0_per_32_channel, the indexer key format the cache stores")
@@ -162,7 +163,88 @@ def dequant_keys(packed_values, scale_bytes):
     return quant.dequantize_mxfp4(quant.unpack_fp4(packed_values), quant.from_bytes(scale_bytes, jnp.float8_e8m0fnu))
 
 
-def dequant_window(value_bytes, scale_bytes):
-    """FP8 window values (+ UE8M0 scale bytes) [..., K] -> float32 [..., K]; the packed ring only."""
+def dequant_window(value_bytes, scale_bytes, record: "RopeSplitFP8 | None" = None):
+    """FP8 window values (+ UE8M0 scale bytes) [..., K] -> float32 [..., K]; the packed ring only. V4's ring
+    holds whole records (`record`; its scale leaf is empty)."""
+    if record is not None:
+        return record.decode(value_bytes)
     return quant.dequantize_fp8_ue8m0_32(quant.from_bytes(value_bytes, jnp.float8_e4m3fn),
                                          quant.from_bytes(scale_bytes, jnp.float8_e8m0fnu))
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSplitFP8:
+    """V4's stored KV record (DESIGN §4, §5; its official inference): of a `dims`-wide vector whose last `rope`
+    channels carry RoPE, the NoPE channels as FP8 E4M3 with a UE8M0 scale per `block` (`quant.fp8_ue8m0_*`), the
+    RoPE channels as BF16, in one row of bytes: [NoPE codes | RoPE BF16, little-endian | scale bytes | zero pad
+    up to a multiple of `align`]. V4-Flash's main entry: 448 + 128 + 7 + 1 = 584 bytes (its window rows use
+    align 1: 583)."""
+
+    dims: int
+    rope: int
+    block: int
+    align: int = 1
+
+    @property
+    def nope(self) -> int:
+        return self.dims - self.rope
+
+    @property
+    def row_bytes(self) -> int:
+        raw = self.nope + 2 * self.rope + self.nope // self.block
+        return -(-raw // self.align) * self.align
+
+    def fake_quant(self, x):
+        """x [..., dims] as stored and read back, in x.dtype: what the forward attends (quant: qat), with the
+        FP8 half's straight-through gradient."""
+        nope = quant.fake_quant(x[..., :self.nope], quant.FP8_UE8M0[self.block])
+        rope = x[..., self.nope:].astype(jnp.bfloat16).astype(x.dtype)
+        return jnp.concatenate([nope, rope], axis=-1)
+
+    def encode(self, x):
+        """x [..., dims] -> uint8 [..., row_bytes]."""
+        values, scales = quant.quantize_fp8_ue8m0(x[..., :self.nope], self.block)
+        rope = jax.lax.bitcast_convert_type(x[..., self.nope:].astype(jnp.bfloat16), jnp.uint8)  # [..., R, 2]
+        parts = [quant.to_bytes(values), rope.reshape(*x.shape[:-1], 2 * self.rope), quant.to_bytes(scales)]
+        pad = self.row_bytes - sum(p.shape[-1] for p in parts)
+        return jnp.concatenate(parts + [jnp.zeros((*x.shape[:-1], pad), jnp.uint8)], axis=-1)
+
+    def decode(self, row):
+        """uint8 [..., row_bytes] -> float32 [..., dims]."""
+        n, r = self.nope, self.rope
+        values = quant.from_bytes(row[..., :n], jnp.float8_e4m3fn)
+        rope = jax.lax.bitcast_convert_type(row[..., n:n + 2 * r].reshape(*row.shape[:-1], r, 2), jnp.bfloat16)
+        scales = quant.from_bytes(row[..., n + 2 * r:n + 2 * r + n // self.block], jnp.float8_e8m0fnu)
+        return jnp.concatenate([quant.dequantize_fp8_ue8m0(values, scales), rope.astype(jnp.float32)], axis=-1)
+
+
+def v4_records(cfg) -> tuple[RopeSplitFP8, RopeSplitFP8]:
+    """(main entry record, window row record) of a V4 config's packed cache (`quant: qat`), from its
+    `kv_cache` formats; raises ConfigError naming a field whose format the V4 cache cannot store."""
+    a, kv = cfg.architecture, cfg.kv_cache
+
+    def record(prefix, dtype, scale, rope_dtype, align):
+        if dtype not in ("fp8", "fp8_e4m3"):
+            raise ConfigError(f"kv_cache.{prefix}_dtype", dtype, "expected fp8 (E4M3), the V4 cache's NoPE format")
+        block = _ue8m0_block(f"kv_cache.{prefix}_scale", scale)
+        if rope_dtype != "bf16":
+            raise ConfigError(f"kv_cache.{prefix}_rope_dtype", rope_dtype,
+                              "expected 'bf16': the V4 cache keeps the RoPE channels in BF16")
+        if (a.head_dim - a.rope_head_dim) % block:
+            raise ConfigError(f"kv_cache.{prefix}_scale", scale,
+                              f"expected a block dividing the {a.head_dim - a.rope_head_dim} NoPE channels")
+        return RopeSplitFP8(a.head_dim, a.rope_head_dim, block, align)
+
+    if (kv.index_kv_dtype, kv.index_kv_scale) not in INDEX_FORMATS:
+        raise ConfigError("kv_cache.index_kv_dtype", f"{kv.index_kv_dtype} / {kv.index_kv_scale}",
+                          "expected fp4_e2m1 with ue8m0_per_32_channel, the indexer key format the cache stores")
+    return (record("global_kv", kv.global_kv_dtype, kv.global_kv_scale, kv.global_kv_rope_dtype,
+                   kv.global_kv_entry_align_bytes),
+            record("swa_kv", kv.swa_kv_dtype, kv.swa_kv_scale, kv.swa_kv_rope_dtype, 1))
+
+
+def _ue8m0_block(field: str, spec) -> int:
+    blocks = {f"ue8m0_per_{b}_channel": b for b in quant.FP8_UE8M0}
+    if spec not in blocks:
+        raise ConfigError(field, spec, f"expected one of {sorted(blocks)} (FP8 with a UE8M0 scale per block)")
+    return blocks[spec]

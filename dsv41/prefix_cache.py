@@ -458,7 +458,8 @@ class PrefixCache:
     def restore(self, prompts, max_len: int):
         """Fresh cache rows holding each prompt's longest cached prefix.
 
-        prompts: lists of token ids (one per row). Returns (cache [len(prompts) rows, capacity max_len],
+        prompts: lists of token ids (one per row). Returns (cache [len(prompts) rows, capacity max_len rounded up
+        to the compression ratios (`cache.round_capacity`)],
         n_cached [per row, a multiple of block_tokens], infos [RestoreInfo per row]); prefill each row's
         prompt[n_cached:] next. Rings come from the pool (exact) or from bounded replay (approximate).
         """

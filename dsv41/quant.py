@@ -6,6 +6,12 @@
 | `mxfp4`         | indexer key / query   | FP4 E2M1 | UE8M0 per 32: 2^ceil(log2(max(amax, 6·2^-126)·(1/6))) |
 | `fp8_ue8m0_32`  | window KV             | FP8 E4M3 | UE8M0 per 32: 2^ceil(log2(max(amax, 1e-4)·(1/448)))   |
 | `fp8_e4m3_16`   | main entry, FP8 option | FP8 E4M3 | E4M3 per 16: e4m3(max(amax, 448·2^-9) / 448)     |
+| `fp8_ue8m0_64`  | V4: main and window KV, its NoPE dims | FP8 E4M3 | UE8M0 per 64, as `fp8_ue8m0_32` |
+
+V4 (compat, DESIGN §4) as its official inference stores it: the main and window KV quantise only their NoPE
+channels (`fp8_ue8m0_64`; `fp8_ue8m0_16` for narrow test models) and keep the RoPE channels in BF16
+(`kv_store.RopeSplitFP8` packs the record); indexer keys and queries are rotated by the normalised
+Walsh–Hadamard transform (`hadamard`) before `mxfp4`.
 
 The numbers are those of the PyTorch port (transformers `modeling_deepseek_v41.py`: `_fake_quant_fp4_block`,
 `_fake_quant_fp8_block`, `_pow2_ceil_scale`, run by the oracle on PyTorch 2.13 CPU), bit for bit on finite
@@ -29,7 +35,10 @@ FP4_E4M3_16 = "fp4_e4m3_16"
 MXFP4 = "mxfp4"
 FP8_UE8M0_32 = "fp8_ue8m0_32"
 FP8_E4M3_16 = "fp8_e4m3_16"
-BLOCK = {FP4_E4M3_16: 16, MXFP4: 32, FP8_UE8M0_32: 32, FP8_E4M3_16: 16}
+FP8_UE8M0_64 = "fp8_ue8m0_64"
+# FP8 E4M3 with a UE8M0 scale per block: 32 is V4.1's window, 64 V4's NoPE channels (16 and 128 for other widths).
+FP8_UE8M0 = {block: f"fp8_ue8m0_{block}" for block in (16, 32, 64, 128)}
+BLOCK = {FP4_E4M3_16: 16, MXFP4: 32, FP8_E4M3_16: 16, **{fmt: block for block, fmt in FP8_UE8M0.items()}}
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -181,9 +190,9 @@ def dequantize_mxfp4(values, scales):
     return _unblock(out)
 
 
-def quantize_fp8_ue8m0_32(x):
-    """x [..., D] -> (E4M3 values float8_e4m3fn [..., D], UE8M0 scales float8_e8m0fnu [..., D/32])."""
-    b = _blocks(x, BLOCK[FP8_UE8M0_32])
+def quantize_fp8_ue8m0(x, block: int):
+    """x [..., D] -> (E4M3 values float8_e4m3fn [..., D], UE8M0 scales float8_e8m0fnu [..., D/block])."""
+    b = _blocks(x, block)
     amax = jnp.maximum(jnp.max(jnp.abs(b), axis=-1), jnp.float32(_FP8_AMAX_FLOOR))
     k = _ceil_log2(amax * jnp.float32(1 / E4M3_MAX))
     # Scales lie in [2^-22, 2^120]: dividing by one (or XLA's multiply by its reciprocal) is exact, and a
@@ -192,12 +201,41 @@ def quantize_fp8_ue8m0_32(x):
     return _unblock(q.astype(jnp.float8_e4m3fn)), _ue8m0(k)
 
 
-def dequantize_fp8_ue8m0_32(values, scales):
-    """(float8_e4m3fn [..., D], float8_e8m0fnu [..., D/32]) -> float32 [..., D]."""
-    block = BLOCK[FP8_UE8M0_32]
+def dequantize_fp8_ue8m0(values, scales):
+    """(float8_e4m3fn [..., D], float8_e8m0fnu [..., D/block]) -> float32 [..., D] (the block from the shapes)."""
+    if not scales.shape[-1] or values.shape[-1] % scales.shape[-1]:
+        raise ValueError(f"scales.shape={scales.shape}: expected whole blocks of values of shape {values.shape}")
+    block = values.shape[-1] // scales.shape[-1]
     _check_scales(values, scales, block)
     v = values.astype(jnp.float32).reshape(*scales.shape, block)
     return _unblock(v * _pow2(_ue8m0_exponent(scales))[..., None])
+
+
+def quantize_fp8_ue8m0_32(x):
+    """x [..., D] -> (E4M3 values float8_e4m3fn [..., D], UE8M0 scales float8_e8m0fnu [..., D/32])."""
+    return quantize_fp8_ue8m0(x, BLOCK[FP8_UE8M0_32])
+
+
+def dequantize_fp8_ue8m0_32(values, scales):
+    """(float8_e4m3fn [..., D], float8_e8m0fnu [..., D/32]) -> float32 [..., D]."""
+    _check_scales(values, scales, BLOCK[FP8_UE8M0_32])
+    return dequantize_fp8_ue8m0(values, scales)
+
+
+def hadamard(x):
+    """The normalised Walsh–Hadamard transform (Sylvester order) of x [..., D] along its last axis, D a power of
+    two, in float32, returned in x.dtype: H_D x / sqrt(D) with H_1 = [1], H_2n = [[H, H], [H, -H]]. Orthonormal,
+    so it leaves dot products unchanged and only spreads outliers before FP4 (V4's indexer, DESIGN §3.4)."""
+    d = x.shape[-1]
+    if d & (d - 1) or d == 0:
+        raise ValueError(f"x.shape[-1]={d}: expected a power of two for the Hadamard transform")
+    y = x.astype(jnp.float32)
+    h = 1
+    while h < d:  # butterflies: (a, b) -> (a + b, a - b) over pairs h apart
+        y = y.reshape(*x.shape[:-1], d // (2 * h), 2, h)
+        y = jnp.concatenate([y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]], axis=-1)
+        h *= 2
+    return (y.reshape(x.shape) * jnp.float32(d ** -0.5)).astype(x.dtype)
 
 
 def pack_fp4(values):
@@ -228,8 +266,9 @@ def from_bytes(b, dtype):
 _CODECS = {
     FP4_E4M3_16: (quantize_fp4_e4m3_16, dequantize_fp4_e4m3_16),
     MXFP4: (quantize_mxfp4, dequantize_mxfp4),
-    FP8_UE8M0_32: (quantize_fp8_ue8m0_32, dequantize_fp8_ue8m0_32),
     FP8_E4M3_16: (quantize_fp8_e4m3_16, dequantize_fp8_e4m3_16),
+    **{fmt: (functools.partial(quantize_fp8_ue8m0, block=block), dequantize_fp8_ue8m0)
+       for block, fmt in FP8_UE8M0.items()},
 }
 
 

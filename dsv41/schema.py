@@ -56,6 +56,7 @@ _V41 = {
         "index_kv_scale": "ue8m0_per_32_channel",
         "global_kv_rope_dtype": Nullable(str),  # null: the RoPE dims are stored like the rest
         "global_kv_entry_align_bytes": 1,
+        "swa_kv_rope_dtype": Nullable(str),  # null: the window's RoPE dims are stored like the rest
     },
     "csa2": {
         "encoder": {
@@ -116,6 +117,9 @@ _V41 = {
         "rope": {
             "theta": 10000.0,
             "compressed_theta": 160000.0,
+            # "yarn": the compressed branch's table is YaRN-scaled by the yarn_* fields below; "default":
+            # plain RoPE at compressed_theta (transformers' rope_type names; the yarn_* fields unused).
+            "compressed_rope_type": "yarn",
             "yarn_factor": 16.0,
             "yarn_original_max_position": 65536,
             "yarn_beta_fast": 32.0,
@@ -172,6 +176,9 @@ _V4["kv_cache"].update(
     global_kv_scale="ue8m0_per_64_channel",
     global_kv_rope_dtype="bf16",
     global_kv_entry_align_bytes=8,
+    # V4's window KV as its official inference keeps it: FP8 NoPE channels (UE8M0 per 64), BF16 RoPE channels.
+    swa_kv_scale="ue8m0_per_64_channel",
+    swa_kv_rope_dtype="bf16",
 )
 _V4["architecture"].update(
     family=V4, hidden_size=4096, q_lora_rank=1024, q_head_norm=True, norm_eps=1e-6,

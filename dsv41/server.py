@@ -400,8 +400,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--config", default="passkey", help="config name or path (default: the trained passkey model)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--weights", default=None,
-                   help="a weights file (.safetensors or an orbax directory); default: the shipped weights of "
-                        "--config passkey, random parameters from --seed for other configs")
+                   help="a .safetensors weights file (`dsv41 train --export`, `dsv41 convert`); default: the "
+                        "weights shipped with --config (passkey's), else random parameters from --seed")
     p.add_argument("--seed", type=int, default=0, help="seed of random parameters (configs without --weights)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -463,28 +463,17 @@ def _parse_chunks(text: str) -> tuple[int, ...]:
 
 def build(args):
     """(engine, app) of the parsed `serve` arguments (the engine warmed up, not started)."""
-    import jax
-
     from dsv41 import accounting, cache as cache_lib, config as config_lib, schema
     from dsv41.chat import ChatTemplate, read_tokenizer_config
+    from dsv41.convert import command_params
     from dsv41.engine import Engine
     from dsv41.tokenizer import load_tokenizer
 
     cfg = config_lib.load_config(args.config, args.set)
-    if args.weights is not None:
-        from dsv41.convert import load_params, weights_file
-
-        params = load_params(weights_file("--weights", args.weights), cfg)
-    elif args.config == "passkey":
-        from dsv41 import passkey
-
-        params = passkey.load_trained(args.set)[1]
-    else:
-        from dsv41.model import init_params
-
+    params, weights = command_params(cfg, args.config, args.weights, seed=args.seed)
+    if weights is None:
         print(f"no --weights: random parameters (seed {args.seed}); the numbers are real, the text is not",
               file=sys.stderr)
-        params = init_params(cfg, jax.random.key(args.seed))
     tokenizer = load_tokenizer(cfg, args.tokenizer)
     template = ChatTemplate()
     if args.tokenizer is not None:

@@ -49,7 +49,6 @@ CACHE_AXES = {
     "window": ("layers", "batch", "window", "kv"),
     "window_scales": ("layers", "batch", "window", "kv_scales"),
     "window_start": ("layers", "batch"),
-    "pool_blocks": ("batch", "pool"),
     "recent_tokens": ("batch", "ngram"),
 }
 COMPRESSED_AXES = {  # each leaf stacked over its stack's groups (dsv41.cache.store_slots)
@@ -63,7 +62,7 @@ COMPRESSED_AXES = {  # each leaf stacked over its stack's groups (dsv41.cache.st
 
 # Every logical name the model and cache use; () = replicated. A name missing from a table is an error
 # (a typo would otherwise replicate silently).
-_REPLICATED = ("layers", "window", "kv", "kv_scales", "pool", "ngram", "cache_seq", "index_scales", "group",
+_REPLICATED = ("layers", "window", "kv", "kv_scales", "ngram", "cache_seq", "index_scales", "group",
                "hc_mix", "hc_embed", "heads", "q_heads", "q_lora", "o_groups", "o_in", "o_lora", "o_proj",
                "index_heads", "index_dim", "engram_dim", "engram_in", "embed", "vocab", "mlp", "experts",
                "engram_rows", "batch")

@@ -271,14 +271,9 @@ def _head(model, x_BSND, pre, counts_B):
     return model.head(model.norm(h)[:, 0]).astype(jnp.float32)
 
 
-def _finish(cfg, cache, lengths, state: _State, published, counts_B):
-    pool = cache.pool_blocks
-    sources = [r.candidate_source for r in layer_plan(cfg) if r.candidate_source is not None]
-    if sources and sources[0] in published:
-        rows, last = jnp.arange(counts_B.shape[0]), jnp.maximum(counts_B - 1, 0)
-        pool = jnp.where((counts_B > 0)[:, None], published[sources[0]].pool_ids[rows, last], pool)
+def _finish(cache, lengths, state: _State):
     return Cache(lengths=lengths, window=state.window, window_scales=state.window_scales, compressed=state.compressed,
-                 window_start=state.window_start, pool_blocks=pool, recent_tokens=cache.recent_tokens)
+                 window_start=state.window_start, recent_tokens=cache.recent_tokens)
 
 
 def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
@@ -293,9 +288,8 @@ def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, eng
     inputs = _Inputs(cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32), jnp.arange(s) < counts_B[:, None],
                      cache.lengths, tokens_BS, engram_ids_BSLC)
     x, pre = model.embed_tokens(tokens_BS)
-    state, published = _run(model, cfg, None, _state(cache, x, pre), {}, inputs)
-    return _head(model, state.x, state.pre, counts_B), _finish(cfg, cache, cache.lengths + counts_B, state,
-                                                               published, counts_B)
+    state, _ = _run(model, cfg, None, _state(cache, x, pre), {}, inputs)
+    return _head(model, state.x, state.pre, counts_B), _finish(cache, cache.lengths + counts_B, state)
 
 
 # The jitted steps take the parameters as their leaves and (static) tree structure: a list of arrays is
@@ -340,7 +334,7 @@ def ced_body(key, lowering, params, cache: Cache, tokens_BS, counts_B, engram_id
     state = state.replace(compressed=_put(compressed, k, CompressedKV(**store.leaves)))
     new_len = cache.lengths + counts_B
     if not replay:
-        return None, _finish(cfg, cache, new_len, state, published, counts_B)
+        return None, _finish(cache, new_len, state)
     # Each row's last `replay` tokens (fewer if the row brought fewer), left-aligned.
     n = jnp.minimum(counts_B, replay)
     first = counts_B - n
@@ -350,10 +344,10 @@ def ced_body(key, lowering, params, cache: Cache, tokens_BS, counts_B, engram_id
     ids = None if engram_ids_BSLC is None else engram_ids_BSLC[rows, idx]
     state = state.replace(x=state.x[rows, idx], pre=state.pre[rows, idx],
                           window_start=_restart(state.window_start, decoder, n > 0, start))
-    state, published = _run(model, cfg, "decoder", state, published,
-                            _Inputs(positions[rows, idx], jnp.arange(replay) < n[:, None], start, tokens_BS[rows, idx],
-                                    ids), entries_ready=(source,))
-    return _head(model, state.x, state.pre, n), _finish(cfg, cache, new_len, state, published, n)
+    state, _ = _run(model, cfg, "decoder", state, published,
+                    _Inputs(positions[rows, idx], jnp.arange(replay) < n[:, None], start, tokens_BS[rows, idx], ids),
+                    entries_ready=(source,))
+    return _head(model, state.x, state.pre, n), _finish(cache, new_len, state)
 
 
 def _restart(window_start_LB, layers, when_B, start_B):
@@ -384,7 +378,7 @@ def replay_body(key, lowering, params, cache: Cache, tokens_BR, counts_B, engram
     state, published = _run(model, cfg, "encoder", state, {},
                             _Inputs(positions, valid, start, tokens_BR, engram_ids_BRLC), entries_ready=ready)
     if not dec:
-        return _finish(cfg, cache, cache.lengths, state, published, counts_B * 0)
+        return _finish(cache, cache.lengths, state)
     n = jnp.minimum(counts_B, dec)
     first = counts_B - n
     idx = jnp.clip(first[:, None] + jnp.arange(dec), 0, s - 1)
@@ -393,7 +387,7 @@ def replay_body(key, lowering, params, cache: Cache, tokens_BR, counts_B, engram
     state = state.replace(x=state.x[rows, idx], pre=state.pre[rows, idx],
                           window_start=_restart(state.window_start, decoder, n > 0, dstart))
     ids = None if engram_ids_BRLC is None else engram_ids_BRLC[rows, idx]
-    state, published = _run(model, cfg, "decoder", state, published,
-                            _Inputs(positions[rows, idx], jnp.arange(dec) < n[:, None], dstart, tokens_BR[rows, idx],
-                                    ids), entries_ready=ready)
-    return _finish(cfg, cache, cache.lengths, state, published, n)
+    state, _ = _run(model, cfg, "decoder", state, published,
+                    _Inputs(positions[rows, idx], jnp.arange(dec) < n[:, None], dstart, tokens_BR[rows, idx], ids),
+                    entries_ready=ready)
+    return _finish(cache, cache.lengths, state)

@@ -521,9 +521,9 @@ def run(args) -> int:
     if args.ckpt_dir:
         from dsv41.checkpoint import Checkpointer
         ckpt = Checkpointer(args.ckpt_dir, every=args.save_every, keep=args.keep)
-    from tqdm import tqdm
+    from dsv41 import progress as progress_lib
 
-    bar = tqdm(total=args.steps, desc="train", unit="step", disable=args.json)
+    bar = progress_lib.bar(total=args.steps, desc="train", unit="step", disable=args.json)
     if ckpt is not None and ckpt.latest_step():
         bar.update(ckpt.latest_step())
 

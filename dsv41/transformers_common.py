@@ -32,11 +32,22 @@ def common_architecture(c: Mapping, family: str) -> dict:
     main, comp = rope["main"], rope["compress"]
     head_dim = c["head_dim"]
     rope_dim = c.get("qk_rope_head_dim") or int(round(head_dim * main.get("partial_rotary_factor", 1.0)))
-    if comp.get("rope_type", "default") != "yarn":
-        raise ConfigError("rope_parameters.compress.rope_type", comp.get("rope_type"), "expected 'yarn'")
+    if main.get("rope_type", "default") != "default":
+        raise ConfigError("rope_parameters.main.rope_type", main["rope_type"],
+                          "expected 'default': the window-only layers' RoPE is plain")
+    comp_type = comp.get("rope_type", "default")
+    if comp_type not in ("yarn", "default"):
+        raise ConfigError("rope_parameters.compress.rope_type", comp_type, "expected 'yarn' or 'default'")
     if comp.get("attention_factor", 1.0) != 1.0:
         raise ConfigError("rope_parameters.compress.attention_factor", comp["attention_factor"],
                           "expected 1.0 (the reference does not scale cos/sin)")
+    # Plain RoPE ("default") has no YaRN fields: the schema's stay, unused.
+    yarn = {} if comp_type == "default" else {
+        "yarn_factor": comp["factor"],
+        "yarn_original_max_position": comp["original_max_position_embeddings"],
+        "yarn_beta_fast": comp.get("beta_fast") or 32.0,
+        "yarn_beta_slow": comp.get("beta_slow") or 1.0,
+    }
     return {
         "family": family,
         "vocab_size": c["vocab_size"],
@@ -53,10 +64,8 @@ def common_architecture(c: Mapping, family: str) -> dict:
         "rope": {
             "theta": main["rope_theta"],
             "compressed_theta": comp["rope_theta"],
-            "yarn_factor": comp["factor"],
-            "yarn_original_max_position": comp["original_max_position_embeddings"],
-            "yarn_beta_fast": comp.get("beta_fast") or 32.0,
-            "yarn_beta_slow": comp.get("beta_slow") or 1.0,
+            "compressed_rope_type": comp_type,
+            **yarn,
             "max_position": c["max_position_embeddings"],
         },
         "moe": {

@@ -45,12 +45,13 @@ def raw_config(c: Mapping) -> dict:
     rates = c.get("compress_rates") or {}
     arch = common_architecture(c, "v4")
     kv_cache = {"swa_window_size": c["sliding_window"]}
-    # transformers keeps no cache format; dsv41 records V4's (for the accounting only: the model runs
-    # unquantised). Its FP8 scales are per 64 of the non-RoPE channels; a toy whose non-RoPE width is not
-    # a multiple of 64 gets the largest block that divides it.
+    # transformers keeps no cache format; dsv41 records V4's (the accounting's, and the packed cache's under
+    # `quant: qat`; converted, the model runs unquantised as transformers does). Its FP8 scales are per 64 of
+    # the non-RoPE channels, main and window KV alike; a toy whose non-RoPE width is not a multiple of 64 gets
+    # the largest block that divides it.
     nope = arch["head_dim"] - arch["rope_head_dim"]
     if nope % 64:
-        kv_cache["global_kv_scale"] = f"ue8m0_per_{math.gcd(64, nope)}_channel"
+        kv_cache["global_kv_scale"] = kv_cache["swa_kv_scale"] = f"ue8m0_per_{math.gcd(64, nope)}_channel"
     return {
         "model": c.get("_name_or_path") or "DeepSeek-V4 (from transformers)",
         "context_window": c["max_position_embeddings"],

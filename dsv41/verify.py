@@ -280,11 +280,11 @@ def _memory_source() -> str:
 
 def sweep(params, cfg, contexts, *, chunk: int, seed: int, settle_s: float, progress) -> list[dict]:
     """The context sweep of the shipped variant: one request per context (the needle at depth 0.5)."""
-    from dsv41.generate import cache_length
+    from dsv41.cache import round_capacity
 
     rows = []
     for c in contexts:
-        cap = cache_length(cfg, c + NEW_TOKENS)
+        cap = round_capacity(cfg, c + NEW_TOKENS)
         prompt = passkey.examples(c, 0.5, 1, seed)[0][0]
         row = {"context": c, "prompt_tokens": len(prompt), "capacity": cap,
                **request(params, cfg, prompt, capacity=cap, chunk=chunk, settle_s=settle_s)}
@@ -306,7 +306,7 @@ def memory(params, cfg, contexts, variants, *, chunk: int, seed: int, settle_s: 
     """Bytes per token and measured memory per variant: the cache pytree against the formula at each context's
     capacity, bytes per token from two capacities, and a request's process memory at the longest context."""
     from dsv41 import cache as cache_lib
-    from dsv41.generate import cache_length
+    from dsv41.cache import round_capacity
 
     out = {}
     longest = max(contexts)
@@ -314,7 +314,7 @@ def memory(params, cfg, contexts, variants, *, chunk: int, seed: int, settle_s: 
         vcfg = _cfg(cfg, VARIANTS[name][1](0))
         per_token = accounting.kv_bytes_per_token(vcfg)["total"]
         fixed = accounting.fixed_bytes_per_sequence(vcfg)["total"]
-        caps = [cache_length(vcfg, c + NEW_TOKENS) for c in contexts]
+        caps = [round_capacity(vcfg, c + NEW_TOKENS) for c in contexts]
         shapes = {cap: cache_lib.nbytes(cache_lib.abstract_cache(vcfg, 1, cap)) for cap in caps}
         hi = max(caps)
         measured_per_token = bytes_per_token(vcfg, hi)
@@ -330,7 +330,7 @@ def memory(params, cfg, contexts, variants, *, chunk: int, seed: int, settle_s: 
             req = next(r for r in sweep_rows if r["context"] == longest)
         else:
             prompt = passkey.examples(longest, 0.5, 1, seed)[0][0]
-            req = request(params, vcfg, prompt, capacity=cache_length(vcfg, longest + NEW_TOKENS), chunk=chunk,
+            req = request(params, vcfg, prompt, capacity=round_capacity(vcfg, longest + NEW_TOKENS), chunk=chunk,
                           settle_s=settle_s)
         row["request"] = {"context": longest, "tokens_held": req["tokens_held"],
                           "kv_in_use_formula": _whole(per_token * req["tokens_held"] + fixed) if packed else None,
@@ -345,9 +345,9 @@ def bytes_per_token(cfg, capacity: int) -> float:
     """The cache's bytes per token as its pytree holds them: the growth of one row's leaves (shapes only, no
     memory) from `capacity` to 64 capacity steps more, per token."""
     from dsv41 import cache as cache_lib
-    from dsv41.generate import cache_length
+    from dsv41.cache import round_capacity
 
-    more = capacity + 64 * cache_length(cfg, 1)
+    more = capacity + 64 * round_capacity(cfg, 1)
     size = lambda cap: cache_lib.nbytes(cache_lib.abstract_cache(cfg, 1, cap))
     return (size(more) - size(capacity)) / (more - capacity)
 
@@ -382,14 +382,14 @@ def _replay_accuracy(params, cfg, context, depth, n, seed, chunk, tmp):
 
 def accuracy(params, cfg, contexts, depths, variants, *, n: int, seed: int, chunk: int, progress) -> dict:
     """Passkey exact match by context × depth for the reference (uncompressed) model and each variant."""
-    from dsv41.generate import cache_length
+    from dsv41.cache import round_capacity
 
     out = {}
     names = [REFERENCE, *[v for v in variants]]
     for name in names:
         rows = []
         for c in contexts:
-            cap = cache_length(cfg, c)
+            cap = round_capacity(cfg, c)
             if name == "replay":
                 with tempfile.TemporaryDirectory() as tmp:
                     exact = []
@@ -411,9 +411,10 @@ def answer_logits(params, cfg, prompts, answers, *, chunk: int, prefix_cache=Non
     """Next-token logits [B, digits, V] at each answer digit, the answer fed back (teacher forced)."""
     from dsv41 import cache as cache_lib
     from dsv41 import steps
-    from dsv41.generate import cache_length, prefill_chunked
+    from dsv41.cache import round_capacity
+    from dsv41.generate import prefill_chunked
 
-    cap = cache_length(cfg, max(map(len, prompts)) + passkey.DIGITS)
+    cap = round_capacity(cfg, max(map(len, prompts)) + passkey.DIGITS)
     if prefix_cache is not None:
         logits, cache, _ = prefix_cache.prefill(prompts, cap, chunk=chunk)
     else:
@@ -437,11 +438,11 @@ def logit_agreement(params, cfg, context: int, variants, *, n: int, seed: int, c
     """Each variant's answer logits on n fixed prompts (depth 0.5) against the uncompressed model's: top-1
     agreement and mean KL(uncompressed ‖ variant) in nats, over every answer position; and the same against
     `quant: none` with the shipped selection (`*_quant_none`)."""
-    from dsv41.generate import cache_length
+    from dsv41.cache import round_capacity
     from dsv41.prefix_cache import PrefixCache
 
     prompts, answers = passkey.examples(context, 0.5, n, seed)
-    cap = cache_length(cfg, context)
+    cap = round_capacity(cfg, context)
     ref = _log_softmax(answer_logits(params, _cfg(cfg, reference_overrides(cap)), prompts, answers, chunk=chunk))
     # Also against quant none with the shipped selection: what the stored formats alone change.
     exact = _log_softmax(answer_logits(params, _cfg(cfg, VARIANTS["quant-none"][1](cap)), prompts, answers,
@@ -475,7 +476,7 @@ def combined_table(cfg, results: dict) -> list[dict]:
     cache pytree at the context's capacity (its shapes; bytes per token from two capacities), decode speed the
     sweep's (shipped variant), accuracy the mean over the depths."""
     from dsv41 import cache as cache_lib
-    from dsv41.generate import cache_length
+    from dsv41.cache import round_capacity
 
     out = []
     acc, sw = results.get("accuracy") or {}, results.get("sweep") or []
@@ -488,7 +489,7 @@ def combined_table(cfg, results: dict) -> list[dict]:
             rows = [r for r in acc[name] if r["context"] == c]
             if not rows and not (name in (results.get("memory") or {}) or name == "shipped"):
                 continue
-            cap = cache_length(cfg, c + NEW_TOKENS)
+            cap = round_capacity(cfg, c + NEW_TOKENS)
             vcfg = _cfg(cfg, reference_overrides(cap) if name == REFERENCE else VARIANTS[name][1](cap))
             size = cache_lib.nbytes(cache_lib.abstract_cache(vcfg, 1, cap))
             per_token = bytes_per_token(vcfg, cap)
@@ -638,18 +639,11 @@ def run(args) -> int:
 
 
 def _load(cfg, name: str, weights):
-    import jax
+    from dsv41.convert import command_params
 
-    from dsv41 import model
-    from dsv41.config import shipped_weights
-    from dsv41.convert import load_params, weights_file
-
-    if weights is not None:
-        weights_file("--weights", weights)
-        return load_params(weights, cfg), str(weights)
-    shipped = shipped_weights(name) if not name.endswith((".json", ".toml", ".py")) else None
-    if shipped is not None and shipped.is_file():
-        return load_params(shipped, cfg), str(shipped.name)
-    print(f"  no weights ship with {name!r}: random weights (seed 0), whose retrieval means nothing",
-          file=sys.stderr)
-    return model.init_params(cfg, jax.random.key(0)), "random (seed 0)"
+    params, path = command_params(cfg, name, weights)
+    if path is None:
+        print(f"  no weights ship with {name!r}: random weights (seed 0), whose retrieval means nothing",
+              file=sys.stderr)
+        return params, "random (seed 0)"
+    return params, str(weights) if weights is not None else path.name

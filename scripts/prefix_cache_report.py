@@ -29,13 +29,12 @@ import numpy as np
 import dsv41
 from dsv41 import accounting, steps
 from dsv41 import prefix_cache as pc_lib
-from dsv41.cache import init_cache
-from dsv41.generate import cache_length
+from dsv41.cache import init_cache, round_capacity
 
 
 def ring_bytes_per_block(cfg) -> int:
     """The window rings of one sequence as the pool keeps them: every layer's FP8 ring + scales + start."""
-    c = jax.eval_shape(lambda: init_cache(cfg, 1, cache_length(cfg, 1)))
+    c = jax.eval_shape(lambda: init_cache(cfg, 1, round_capacity(cfg, 1)))
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
                for n in ("window", "window_scales", "window_start") for x in jax.tree.leaves(getattr(c, n)))
 
@@ -92,7 +91,7 @@ def main(argv=None) -> int:
     # -- time to first token -----------------------------------------------------------------
     if not args.skip_ttft:
         n = args.tokens
-        cap = cache_length(cfg, n + args.block)
+        cap = round_capacity(cfg, n + args.block)
         prompt = rng.integers(0, vocab, n).tolist()
         with tempfile.TemporaryDirectory() as d:
             warm = pc_lib.PrefixCache(cfg, params, Path(d) / "warm", block_tokens=args.block)
@@ -120,7 +119,7 @@ def main(argv=None) -> int:
                                               f"swa_bounded_replay.encoder_replay_tokens={args.window}",
                                               f"swa_bounded_replay.decoder_replay_tokens={args.window}"])
     n = args.deviation_tokens
-    cap = cache_length(wide, n + args.greedy + args.block)
+    cap = round_capacity(wide, n + args.greedy + args.block)
     prompt = rng.integers(0, vocab, n).tolist()
     rows = []
     with tempfile.TemporaryDirectory() as d:

@@ -80,10 +80,10 @@ def test_cache_leaves_are_floats_for_quant_none_and_packed_for_qat():
         assert fc.leftover.shape == qc.leftover.shape == (2, ratio - 1, 2 * k)
     assert cache_lib.quantised(q) and not cache_lib.quantised(f)
     # nbytes counts the floats: 4 bytes a value; the per-sequence leaves are the qat cache's.
-    per_row = 4 * (layers * w * k + (80 + 160) * (k + d_i) + 1 * 2 * k) + 4 * (1 + 4 + layers)
+    per_row = 4 * (layers * w * k + (80 + 160) * (k + d_i) + 1 * 2 * k) + 4 * (1 + layers)  # + lengths, window starts
     assert cache_lib.nbytes(f) == 2 * per_row
     assert cache_lib.nbytes(q) == cache_lib.expected_bytes(qat, 2, MAX_LEN)["total"]
-    with pytest.raises(dsv41.ConfigError, match="'quant' = 'none'.*quantised V4.1 cache"):
+    with pytest.raises(dsv41.ConfigError, match="'quant' = 'none'.*the quantised cache"):
         cache_lib.expected_bytes(none, 2, MAX_LEN)
 
 

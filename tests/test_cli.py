@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,3 +88,71 @@ def test_generate_says_what_the_prefix_cache_restored_replayed_recomputed_and_re
     entry.write_bytes(bytes(data))
     assert summary() == ["prefix cache: 0 of 300 prompt tokens restored (0 blocks), 0 replayed, 300 recomputed, "
                          "1 blocks saved; rejected entries: 1 corrupt"]
+
+
+def test_top_level_help_names_every_command():
+    from dsv41.cli import build_parser
+
+    out = run("--help")
+    assert out.returncode == 0, out.stderr
+    commands = re.search(r"\{([a-z,-]+)\}", out.stdout)[1].split(",")  # argparse's list of the subcommands
+    assert len(commands) == 11
+    text = " ".join(out.stdout.split())
+    assert "configs, layer plan, KV accounting." not in text
+    for name in commands:
+        assert f"({name})" in text, name  # the description says what each command does
+    help_text = " ".join(run("generate", "--help").stdout.split())
+    assert "until checkpoints exist" not in help_text and "--weights PATH" in help_text
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--weights", "w.safetensors"])
+    assert args.weights == "w.safetensors"
+
+
+def test_generate_refuses_a_missing_weights_file(capsys):
+    from dsv41.cli import main
+
+    assert main(["generate", "--config", "passkey", "--prompt", "hi", "--weights", "/nonexistent.safetensors"]) == 2
+    err = capsys.readouterr().err
+    assert "'--weights' = '/nonexistent.safetensors'" in err and "expected an existing .safetensors" in err
+
+
+@pytest.mark.slow
+def test_generate_with_the_shipped_weights_through_a_pipe():
+    """`generate --weights configs/passkey.safetensors` in a fresh process, stderr a pipe: its greedy text is
+    the ids `dsv41.generate` gives from Python with those weights (a 1,100-token passkey prompt: its key), and
+    its prefill progress (chunks of 512, the first 1100 − 2 · 512 = 76 tokens) comes as separate lines, at
+    least the first and the last, no carriage return in them."""
+    import dsv41
+    from dsv41 import demo, generate, passkey
+    from dsv41.convert import load_params
+
+    prompt, key = demo.prompt_tokens(1100, depth=0.5, seed=1)
+    weights = passkey.weights_path()
+    text = bytes(prompt.tolist()).decode("ascii")
+    out = run("generate", "--config", "passkey", "--weights", str(weights), "--prompt", text, "--max-new-tokens", "5",
+              "--no-compile-cache")
+    assert out.returncode == 0, out.stderr[-3000:]
+    cfg = dsv41.load_config("passkey")
+    ids = generate.generate(load_params(weights, cfg), cfg, prompt.tolist(), max_new_tokens=5, vocab_limit=256)
+    assert out.stdout == bytes(ids).decode("latin-1") + "\n" == key.decode() + "\n"
+    assert "\r" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("prefill: ")]
+    assert lines[0].startswith("prefill: 76/1100 tok (") and lines[-1].startswith("prefill: 1100/1100 tok ("), \
+        out.stderr
+
+
+@pytest.mark.slow
+def test_demo_runs_a_v4_config(capsys):
+    """`dsv41 demo --config tiny_v4` (ratios 4 and 16, the float cache, no CED): the capacity is the next multiple
+    of 16 above prompt + new tokens (202 -> 208), and each progress message is a line of its own."""
+    from dsv41.cli import main
+
+    argv = ["demo", "--config", "tiny_v4", "--prompt-tokens", "200", "--new-tokens", "2", "--chunk", "64", "--json"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out.splitlines()[-1])
+    assert report["capacity"] == 208 and report["prompt_tokens"] == 200 and len(report["generated_ids"]) == 2
+    assert report["prefill_ced_s"] is None and "no ced: CED needs V4.1's encoder and decoder stages" in out.out
+    assert report["formula_bytes_per_token"] is None and "the float cache (quant none)" in out.out
+    assert "\r" not in out.err
+    assert [line for line in out.err.splitlines() if "tokens" in line] == [
+        f"prefill (full) {n}/200 tokens" for n in (64, 128, 192, 200)]

@@ -1,5 +1,6 @@
 """Two processes on localhost (4 simulated CPU devices each, gloo collectives) run a sharded prefill + decode
-over one 8-device mesh; the logits equal a single-process, single-device run of the same model."""
+over one 8-device mesh; the logits equal a single-process, single-device run of the same model. Process 0
+joins by `distributed.initialize`'s arguments, process 1 by the DSV41_* environment a launcher sets."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ def _inputs(cfg):
     return tokens, lengths, step
 
 
-def _worker(coordinator: str, num: int, pid: int) -> None:
+def _worker(argv: list[str]) -> None:
     from dsv41 import distributed
-    assert distributed.initialize(coordinator, num, pid)
+    assert distributed.initialize(argv[0], int(argv[1]), int(argv[2])) if argv else distributed.initialize()
     import jax
 
     from dsv41 import sharding as sh
@@ -42,7 +43,7 @@ def _worker(coordinator: str, num: int, pid: int) -> None:
     cache = sh.init_cache(cfg, mesh, "serve", batch=B, max_len=CAP)
     prefill, cache = sh.prefill(params, cfg, cache, tokens, lengths, mesh=mesh, rules="serve")
     decode, cache = sh.decode(params, cfg, cache, step, mesh=mesh, rules="serve")
-    out = {"process": pid, "prefill": sh.to_host(prefill).tolist(), "decode": sh.to_host(decode).tolist(),
+    out = {"process": jax.process_index(), "prefill": sh.to_host(prefill).tolist(), "decode": sh.to_host(decode).tolist(),
            "addressable_rows": sorted({int(s.index[0].start or 0) for s in decode.addressable_shards})}
     print(json.dumps(out))
     jax.distributed.shutdown()
@@ -60,8 +61,10 @@ def test_two_processes_decode_like_one(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4 " + FAST_COMPILE, JAX_PLATFORMS="cpu")
     # Output to files, not pipes: a worker blocked on a full pipe would stall the other at the shutdown barrier.
     logs = [(open(tmp_path / f"out{i}", "w"), open(tmp_path / f"err{i}", "w")) for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, __file__, coordinator, "2", str(i)], env=env, cwd=os.path.dirname(HERE),
-                              stdout=out, stderr=err) for i, (out, err) in enumerate(logs)]
+    by_env = dict(env, DSV41_COORDINATOR=coordinator, DSV41_NUM_PROCESSES="2", DSV41_PROCESS_ID="1")
+    commands = [([sys.executable, __file__, coordinator, "2", "0"], env), ([sys.executable, __file__], by_env)]
+    procs = [subprocess.Popen(cmd, env=e, cwd=os.path.dirname(HERE), stdout=out, stderr=err)
+             for (cmd, e), (out, err) in zip(commands, logs)]
     results = []
     for i, p in enumerate(procs):
         try:
@@ -88,9 +91,10 @@ def test_two_processes_decode_like_one(tmp_path):
         assert np.abs(np.asarray(r["prefill"]) - np.asarray(ref_prefill)).max() < TOL
         assert np.abs(np.asarray(r["decode"]) - np.asarray(ref_decode)).max() < TOL
     # Each process held only its own rows (the batch is split over both hosts' devices).
+    assert [r["process"] for r in results] == [0, 1]
     assert results[0]["addressable_rows"] != results[1]["addressable_rows"]
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(HERE))
-    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    _worker(sys.argv[1:])

@@ -85,12 +85,6 @@ def test_a_ragged_batch_in_chunks_equals_each_prompt_alone(model):
 
 
 @pytest.mark.slow
-def test_cache_length_is_the_next_multiple_of_the_compression_ratio(model):
-    _, cfg = model
-    assert [gen.cache_length(cfg, n) for n in (1, 5, 6, 7, 512)] == [2, 6, 6, 8, 512]
-
-
-@pytest.mark.slow
 def test_sampling_is_deterministic_given_the_seed(model):
     run = lambda seed: gen.generate(*model, PROMPT, max_new_tokens=NEW, temperature=1.0, seed=seed, chunk=1)
     first = run(1)

@@ -70,9 +70,10 @@ def ref_mxfp4(x):
 
 
 @np.errstate(over="ignore")  # like the port, a block at float32's limit may dequantise to inf
-def ref_fp8(x):
-    """Port's window-KV quantiser: (E4M3 bytes, UE8M0 bytes, dequantised float32)."""
-    b = x.astype(F64).reshape(*x.shape[:-1], -1, 32)
+def ref_fp8(x, block=32):
+    """Port's window-KV quantiser (V4's official `act_quant` with UE8M0 scales at block 64): (E4M3 bytes, UE8M0
+    bytes, dequantised float32)."""
+    b = x.astype(F64).reshape(*x.shape[:-1], -1, block)
     amax = np.maximum(np.abs(b).max(-1), F64(F32(1e-4)))
     k = ceil_log2(F32(amax * F64(F32(1 / 448))))
     s = np.ldexp(1.0, k)[..., None]
@@ -95,17 +96,20 @@ def ref_fp8_e4m3_16(x):
 
 
 REFERENCE = {quant.FP4_E4M3_16: ref_fp4_e4m3_16, quant.MXFP4: ref_mxfp4, quant.FP8_UE8M0_32: ref_fp8,
-             quant.FP8_E4M3_16: ref_fp8_e4m3_16}
+             quant.FP8_E4M3_16: ref_fp8_e4m3_16, quant.FP8_UE8M0_64: lambda x: ref_fp8(x, 64)}
 # Jitted once here: eager dispatch compiles every primitive separately and would dominate the run time.
 QUANTIZE = {quant.FP4_E4M3_16: jax.jit(quant.quantize_fp4_e4m3_16), quant.MXFP4: jax.jit(quant.quantize_mxfp4),
             quant.FP8_UE8M0_32: jax.jit(quant.quantize_fp8_ue8m0_32),
-            quant.FP8_E4M3_16: jax.jit(quant.quantize_fp8_e4m3_16)}
+            quant.FP8_E4M3_16: jax.jit(quant.quantize_fp8_e4m3_16),
+            quant.FP8_UE8M0_64: jax.jit(lambda x: quant.quantize_fp8_ue8m0(x, 64))}
 DEQUANTIZE = {quant.FP4_E4M3_16: jax.jit(quant.dequantize_fp4_e4m3_16), quant.MXFP4: jax.jit(quant.dequantize_mxfp4),
               quant.FP8_UE8M0_32: jax.jit(quant.dequantize_fp8_ue8m0_32),
-              quant.FP8_E4M3_16: jax.jit(quant.dequantize_fp8_e4m3_16)}
+              quant.FP8_E4M3_16: jax.jit(quant.dequantize_fp8_e4m3_16),
+              quant.FP8_UE8M0_64: jax.jit(quant.dequantize_fp8_ue8m0)}
 FAKE_QUANT = jax.jit(quant.fake_quant, static_argnums=1)
 PACK, UNPACK = jax.jit(quant.pack_fp4), jax.jit(quant.unpack_fp4)
-WIDTH = {quant.FP4_E4M3_16: 512, quant.MXFP4: 128, quant.FP8_UE8M0_32: 512, quant.FP8_E4M3_16: 512}
+WIDTH = {quant.FP4_E4M3_16: 512, quant.MXFP4: 128, quant.FP8_UE8M0_32: 512, quant.FP8_E4M3_16: 512,
+         quant.FP8_UE8M0_64: 448}
 FORMATS = sorted(REFERENCE)
 
 
@@ -148,7 +152,7 @@ def hard_inputs(fmt, rows=96, seed=0):
 def midpoint_block(fmt, block, rng):
     """One block whose scale is 2^j (or an E4M3 number) exactly and whose other elements are ties."""
     sign = np.where(rng.random(block) < 0.5, -1.0, 1.0)
-    if fmt == quant.FP8_UE8M0_32:
+    if fmt in (quant.FP8_UE8M0_32, quant.FP8_UE8M0_64):
         # 448·2^j · float32(1/448) rounds to 2^j (checked against the reference below).
         s = 2.0 ** rng.integers(-20, 100)
         v = sign * rng.choice(e4m3_midpoints(), block) * s
@@ -249,7 +253,7 @@ def test_dequantised_values_lie_on_the_grid(fmt):
         assert (np.asarray(scales).astype(ml_dtypes.float8_e4m3fn).astype(F64) == s[:, ::16]).all()
     else:
         assert (np.frexp(s)[0] == 0.5).all()  # exact powers of two
-    fp8 = fmt in (quant.FP8_UE8M0_32, quant.FP8_E4M3_16)
+    fp8 = fmt in (quant.FP8_UE8M0_32, quant.FP8_E4M3_16, quant.FP8_UE8M0_64)
     element = ml_dtypes.float8_e4m3fn if fp8 else ml_dtypes.float4_e2m1fn
     ratio = y / s
     np.testing.assert_array_equal(ratio.astype(element).astype(F64), ratio)
@@ -341,3 +345,24 @@ def test_torch_cast_saturates():
     t = torch.tensor([448.0, 464.0, 470.0, 2688.0, 1e30, float("inf"), -1e30, 2.0**-10, 3 * 2.0**-11])
     got = t.to(torch.float8_e4m3fn).float().numpy()
     np.testing.assert_array_equal(got, [448, 448, 448, 448, 448, 448, -448, 0, 2.0**-9])
+
+
+def sylvester(n):
+    """The n × n Hadamard matrix of Sylvester's construction in float64: H_1 = [1], H_2m = [[H, H], [H, -H]]."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+@pytest.mark.parametrize("n", [2, 32, 128])
+def test_hadamard_is_sylvesters_matrix_normalised(n):
+    """V4's indexer rotation (`rotate_activation`: the Walsh–Hadamard transform scaled by n^-½) against the
+    float64 matrix product, to float32 rounding, and orthonormal: dot products survive it."""
+    x = np.random.default_rng(n).standard_normal((3, 5, n)).astype(F32)
+    want = x.astype(F64) @ sylvester(n).T / np.sqrt(n)
+    got = np.asarray(jax.jit(quant.hadamard)(x), F64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=4e-7 * np.abs(want).max() * np.log2(n))
+    np.testing.assert_allclose(got[0] @ got[1].T, x[0].astype(F64) @ x[1].T.astype(F64), atol=1e-4 * n)
+    with pytest.raises(ValueError, match="power of two"):
+        quant.hadamard(np.zeros((2, 48), F32))

@@ -25,23 +25,40 @@ def test_cache_bytes_equal_the_accounting_at_toy_size():
     cfg = dsv41.load_config("tiny")
     c = cache_lib.init_cache(cfg, batch=3, max_len=512)
     per_token = 2 * (32 + 4 + 16 + 1) / 2 + (32 + 4 + 16 + 1)  # Full layers 2, 4 (ratio 2) and 6 (ratio 1)
-    fixed = 12 * 16 * (64 + 2) + 2 * 1 * 2 * 64 * 4 + 4 * 4 + 4 + 12 * 4  # rings, leftovers, pool, length, starts
+    fixed = 12 * 16 * (64 + 2) + 2 * 1 * 2 * 64 * 4 + 4 + 12 * 4  # rings, leftovers, length, starts
     assert cache_lib.nbytes(c) == 3 * (per_token * 512 + fixed) == cache_lib.expected_bytes(cfg, 3, 512)["total"]
 
 
 def test_cache_bytes_at_full_size_with_a_million_tokens():
     cfg = dsv41.load_config("v41_flash")
     shapes = jax.eval_shape(lambda: cache_lib.init_cache(cfg, batch=1, max_len=1_000_000))
-    fixed = 40 * 128 * 528 + 3 * 1 * 2 * 512 * 4 + 2048 * 4 + 4 + 3 * 4 + 40 * 4
+    fixed = 40 * 128 * 528 + 3 * 1 * 2 * 512 * 4 + 4 + 3 * 4 + 40 * 4  # rings, leftovers, length, look-back, starts
     assert cache_lib.nbytes(shapes) == 890 * 1_000_000 + fixed == cache_lib.expected_bytes(cfg, 1, 1_000_000)["total"]
 
 
-def test_capacity_errors():
-    cfg = dsv41.load_config("tiny")
-    with pytest.raises(dsv41.ConfigError, match="multiple of 2"):
-        cache_lib.init_cache(cfg, 1, 33)
-    with pytest.raises(dsv41.ConfigError, match="maximum context length"):
-        cache_lib.init_cache(cfg, 1, 1024)
+def test_capacities_round_up_to_the_compression_ratios():
+    """A capacity is the next multiple of the ratios' lcm (tiny: ratios 1 and 2; tiny_v4: 4 and 16), within
+    the context window (512 for both)."""
+    tiny, v4 = dsv41.load_config("tiny"), dsv41.load_config("tiny_v4")
+    assert [cache_lib.round_capacity(tiny, n) for n in (1, 33, 34, 511, 512)] == [2, 34, 34, 512, 512]
+    assert [cache_lib.round_capacity(v4, n) for n in (1, 16, 17, 202, 497)] == [16, 16, 32, 208, 512]
+    assert steps.capacity(tiny, cache_lib.init_cache(tiny, 1, 33)) == 34
+    assert steps.capacity(v4, cache_lib.init_cache(v4, 1, 202)) == 208
+    # The stores hold capacity / ratio entries: tiny's Full layer 2 (ratio 2), tiny_v4's HCA layer 3 (ratio 16).
+    assert cache_lib.layer_stores(tiny, cache_lib.abstract_cache(tiny, 1, 33))[2].entries.shape[1] == 17
+    assert cache_lib.layer_stores(v4, cache_lib.abstract_cache(v4, 1, 202))[3].entries.shape[1] == 13
+
+
+@pytest.mark.parametrize("max_len,rule", [
+    (0, "expected a positive whole number of tokens"), (-2, "expected a positive whole number of tokens"),
+    (32.0, "expected a positive whole number of tokens"), (True, "expected a positive whole number of tokens"),
+    (1024, "expected a capacity of at most context_window = 512 (the maximum context length)"),
+    (513, "at most context_window = 512 (the maximum context length), got 514: 513 rounded up to a multiple of 2"),
+])
+def test_capacity_errors(max_len, rule):
+    with pytest.raises(dsv41.ConfigError) as e:
+        cache_lib.init_cache(dsv41.load_config("tiny"), 1, max_len)
+    assert f"'max_len' = {max_len!r}" in str(e.value) and rule in str(e.value), str(e.value)
 
 
 @pytest.mark.slow

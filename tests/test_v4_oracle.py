@@ -37,6 +37,8 @@ CASES = {
                                                       "heavily_compressed_attention": 16})),
     # Two groups of (CSA, window, window): one scan over the groups, the window pair an inner scan.
     "runs": ("cwwcww", 0, 160, 1, dict(sliding_window=16, index_topk=8)),
+    # transformers' default compressed RoPE (what DeepseekV4Config() builds): plain, no YaRN.
+    "plain_rope": ("wch", 0, 150, 1, dict(sliding_window=8, index_topk=8, rope_parameters=None)),
 }
 
 
@@ -253,6 +255,28 @@ def test_rope_tables_are_the_references_to_float32_rounding(captured):
             assert np.abs(mine.view(np.int32) - want.view(np.int32)).max() <= ulps, (name, mine, want)
 
 
+def test_default_compress_rope_converts_to_plain_rope():
+    """A config without YaRN (rope_parameters left out: the compressed rope_type is transformers' "default")
+    converts to compressed_rope_type "default", whose table is θ^(-2i/d) at compress_rope_theta: the float64
+    formula and transformers' own buffer, within 4 ulp (the "plain_rope" case above compares the logits)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+
+    ref = reference_config("wch", 0, rope_parameters=None)
+    assert ref.rope_parameters["compress"]["rope_type"] == "default"
+    cfg = transformers_io.config_from_transformers(ref.to_dict())
+    assert cfg.architecture.rope.compressed_rope_type == "default"
+    dim = cfg.architecture.rope_head_dim
+    mine = np.asarray(model.build_model(cfg, nnx.Rngs(0)).layer(1).attn.compressed_inv_freq, np.float32)
+    exact = (1 / ref.compress_rope_theta ** (np.arange(0, dim, 2) / dim)).astype(np.float32)
+    theirs = DeepseekV4RotaryEmbedding(ref).compress_inv_freq.numpy()
+    for want in (exact, theirs):
+        assert np.abs(mine.view(np.int32) - want.view(np.int32)).max() <= 4, (mine, want)
+    raw = ref.to_dict()
+    raw["rope_parameters"]["compress"]["rope_type"] = "linear"
+    with pytest.raises(dsv41.ConfigError, match=r"'rope_parameters.compress.rope_type' = 'linear'.*'yarn' or"):
+        transformers_io.config_from_transformers(raw)
+
+
 @pytest.mark.slow
 def test_indexer_top_k_sets(captured):
     ours, calls = captured["ours"], captured["calls"]
@@ -351,13 +375,6 @@ def test_unsupported_transformers_configs_are_refused(field, value, rule):
     with pytest.raises(dsv41.ConfigError) as e:
         transformers_io.config_from_transformers(raw)
     assert f"'{field}'" in str(e.value) and str(value) in str(e.value) and rule in str(e.value), str(e.value)
-
-
-def test_v4_fake_quant_is_refused(write_config):
-    raw = {"architecture": {"family": "v4"}, "quant": "qat"}
-    with pytest.raises(dsv41.ConfigError) as e:
-        dsv41.load_config(write_config(raw))
-    assert "'quant'" in str(e.value) and "'qat'" in str(e.value) and "expected 'none'" in str(e.value)
 
 
 def test_checkpoint_errors_list_extra_missing_and_misshaped():

@@ -184,3 +184,15 @@ def test_prefix_cache_blocks_must_close_every_compressor_group(v41_raw, write_co
     v41_raw["kv_cache"]["persistent_cache"]["block_tokens"] = 255
     _assert_names(_load_error(write_config, v41_raw), "kv_cache.persistent_cache.block_tokens", "= 255",
                   "expected a positive multiple of 2", "compression ratios [1, 2]")
+
+
+def test_tied_embeddings_are_refused(v41_raw, write_config):
+    v41_raw["architecture"]["tie_embeddings"] = True
+    _assert_names(_load_error(write_config, v41_raw), "architecture.tie_embeddings", "True", "expected false",
+                  "separate embedding and output head")
+
+
+def test_compressed_rope_type(v41_raw, write_config):
+    v41_raw["architecture"]["rope"]["compressed_rope_type"] = "linear"
+    _assert_names(_load_error(write_config, v41_raw), "architecture.rope.compressed_rope_type", "'linear'",
+                  "expected one of ['yarn', 'default']")

@@ -34,7 +34,7 @@ def closed_formula(cfg, capacity: int) -> int:
     """The packed V4.1 cache's bytes, written out from the config: per Full layer and stored entry, main values
     (K elements of 4 or 8 bits) + one E4M3 byte per 16, indexer keys (d_I FP4 values + one UE8M0 byte per 32);
     per layer a ring of W FP8 rows (K bytes + one UE8M0 byte per 32), its window start; a ratio-r compressor's
-    r − 1 fp32 leftovers of 2K; the pool's int32 block ids; the row's length."""
+    r − 1 fp32 leftovers of 2K; the row's length."""
     a, kv, ix = cfg.architecture, cfg.kv_cache, cfg.csa2.indexer
     k, w = a.head_dim, kv.swa_window_size
     bits = 8 if kv.global_kv_dtype in ("fp8", "fp8_e4m3") else 4
@@ -43,8 +43,7 @@ def closed_formula(cfg, capacity: int) -> int:
     entries = sum(capacity // r.ratio * (k * bits // 8 + k // 16 + ix.head_dim // 2 + ix.head_dim // 32) for r in full)
     rings = len(plan) * (w * (k + k // 32) + 4)
     leftovers = sum((r.ratio - 1) * 2 * k * 4 for r in full)
-    pool = 4 * ix.hierarchical.max_blocks
-    return entries + rings + leftovers + pool + 4
+    return entries + rings + leftovers + 4
 
 
 @pytest.mark.slow  # compiles the passkey model's steps for three variants

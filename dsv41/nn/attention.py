@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41 import kv_store, quant, schema
+from dsv41 import kv_store, quant
 from dsv41.kernels import dispatch
 from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, packed, ring_positions
 from dsv41.nn import indexer as ix
@@ -53,9 +53,6 @@ class Attention(nnx.Module):
         self.heads, self.head_dim, self.groups = h, k, a.o_groups
         self.window = cfg.kv_cache.swa_window_size
         self.fake_quant = cfg.quant == "qat"
-        # The main entries' stored format (FP4 shipped, FP8 by config); the float cache ignores it.
-        self.main_kv = (kv_store.main_kv_format(cfg) if self.fake_quant and a.family == schema.V41
-                        else quant.FP4_E4M3_16)
         self.kernels = cfg.runtime.kernels  # the cached step's Pallas kernels or XLA path (DESIGN §8)
         # V4's per-head query RMSNorm (unweighted); V4.1 dropped it (DESIGN §2).
         self.q_head_eps = a.norm_eps if a.q_head_norm else None
@@ -79,6 +76,8 @@ class Attention(nnx.Module):
         """V4.1 (CSA2): Full layers own a compressor and indexer keys, Full/Reindex an indexer query."""
         a, record = cfg.architecture, self.record
         d, k = a.hidden_size, a.head_dim
+        # The main entries' stored format (FP4 shipped, FP8 by config); the float cache ignores it.
+        self.main_kv = kv_store.main_kv_format(cfg) if self.fake_quant else quant.FP4_E4M3_16
         ixc = cfg.csa2.indexer
         self.top_k = ixc.top_k
         self.score_tile = cfg.runtime.score_tile  # the cached step scores the filled tiles of its store
@@ -122,7 +121,7 @@ class Attention(nnx.Module):
         rec = self.record
         qr, q, kv = self.project(x_BSD, positions_BS)
         if self.fake_quant:
-            kv = quant.fake_quant(kv, quant.FP8_UE8M0_32)
+            kv = self.window_fake_quant(kv)
         self.sow(nnx.Intermediate, "window_kv", kv)
 
         keys, mask = kv, window_mask(positions_BS, positions_BS, self.window)
@@ -188,10 +187,9 @@ class Attention(nnx.Module):
         new_len = lengths_B + counts
         qr, q, kv = self.project(x_BSD, positions_BS)
         quantised = packed(ring.leaves["values"])
-        if quantised:  # the FP8 ring (V4.1)
-            kv_vals, kv_scales = quant.quantize_fp8_ue8m0_32(kv)
-            kv = quant.dequantize_fp8_ue8m0_32(kv_vals, kv_scales).astype(x_BSD.dtype)
-            kv_vals, kv_scales = quant.to_bytes(kv_vals), quant.to_bytes(kv_scales)
+        if quantised:  # the FP8 ring
+            kv_vals, kv_scales = self.encode_window(kv)
+            kv = self.decode_window(kv_vals, kv_scales).astype(x_BSD.dtype)
         else:
             kv_vals, kv_scales = kv, jnp.zeros((b, s, 0), jnp.uint8)
         keep = valid_BS & (positions_BS >= new_len[:, None] - self.window)
@@ -208,10 +206,10 @@ class Attention(nnx.Module):
             win_vals, win_scales = ring.get("values"), ring.get("scales")
             key_pos = ring_positions(new_len, self.window)
             key_ok = key_pos >= jnp.maximum(window_start_B, 0)[:, None]
-            keys_w = (dequant_window(win_vals, win_scales) if quantised else win_vals).astype(kv.dtype)
+            keys_w = (self.decode_window(win_vals, win_scales) if quantised else win_vals).astype(kv.dtype)
         else:
             ring_vals, ring_scales = ring.get("values"), ring.get("scales")
-            ring_keys = (dequant_window(ring_vals, ring_scales) if quantised else ring_vals).astype(kv.dtype)
+            ring_keys = (self.decode_window(ring_vals, ring_scales) if quantised else ring_vals).astype(kv.dtype)
             ring_pos = ring_positions(lengths_B, self.window)
             win_vals = jnp.concatenate([ring_vals, kv_vals], axis=1)
             win_scales = jnp.concatenate([ring_scales, kv_scales], axis=1)
@@ -242,6 +240,19 @@ class Attention(nnx.Module):
         else:  # the Pallas kernel reads the window's bytes themselves (above) and the picked entries
             out = self._attend_kernel(q, win_vals, win_scales, mask_w, picks, stores)
         return self.output(out, positions_BS), (ring, stores, handoff)
+
+    def window_fake_quant(self, kv_BSK):
+        """The window KV as the ring stores it, read back (the forward's `quant: qat`): FP8, UE8M0 per 32."""
+        return quant.fake_quant(kv_BSK, quant.FP8_UE8M0_32)
+
+    def encode_window(self, kv_BSK):
+        """(value bytes [B,S,K], scale bytes [B,S,K/32]) of new window rows in the packed ring's format."""
+        values, scales = quant.quantize_fp8_ue8m0_32(kv_BSK)
+        return quant.to_bytes(values), quant.to_bytes(scales)
+
+    def decode_window(self, values, scales):
+        """Packed window rows (`encode_window`'s) -> float32 [..., K]."""
+        return dequant_window(values, scales)
 
     def cached_compressed(self, x_BSD, qr_BSQ, positions_BS, lengths_B, counts_B, published, stores,
                           entries_ready=False):

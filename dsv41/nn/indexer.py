@@ -28,6 +28,8 @@ NEG_INF = -jnp.inf
 
 
 class Indexer(nnx.Module):
+    rotate = False  # V4's indexer rotates keys and queries before FP4 (`IndexerV4`)
+
     def __init__(self, dim: int, q_lora: int, latent: int, heads: int, head_dim: int, owns_keys: bool,
                  eps: float, *, policy: Policy, rngs: nnx.Rngs):
         self.heads, self.head_dim = heads, head_dim
@@ -43,7 +45,16 @@ class Indexer(nnx.Module):
     def keys(self, latent_BTK, positions_BT, inv_freq, fake_quant: bool):
         """Indexer keys [B, T, dI] of compressed latents at their RoPE positions."""
         k = apply_rope(self.k_norm(self.wk(latent_BTK)), positions_BT, inv_freq)
-        return quant.fake_quant(k, quant.MXFP4) if fake_quant else k
+        return self.fake_quant(k) if fake_quant else k
+
+    def rotated(self, x):
+        """Keys or queries [..., dI] as they are quantised: Hadamard-rotated where the indexer rotates (V4)."""
+        return quant.hadamard(x) if self.rotate else x
+
+    def fake_quant(self, x):
+        """Keys or queries [..., dI] stored as MXFP4 and read back (`quant: qat`), rotated first where the indexer
+        rotates; the rotation is orthonormal, so unquantised scores are the same with or without it."""
+        return quant.fake_quant(self.rotated(x), quant.MXFP4)
 
     def query(self, x_BSD, qr_BSQ, positions_BS, inv_freq, fake_quant: bool = False):
         """(qI [B, S, J, dI], w [B, S, J]): the rotated queries (MXFP4 under fake-quant) and the head weights
@@ -51,7 +62,7 @@ class Indexer(nnx.Module):
         b, s, _ = x_BSD.shape
         q = apply_rope(self.wq_b(qr_BSQ).reshape(b, s, self.heads, self.head_dim), positions_BS, inv_freq)
         if fake_quant:
-            q = quant.fake_quant(q, quant.MXFP4)
+            q = self.fake_quant(q)
         return q, self.weights_proj(x_BSD)
 
     def scores(self, x_BSD, qr_BSQ, positions_BS, keys_BTd, visible_BST, inv_freq, fake_quant: bool = False):
@@ -64,22 +75,26 @@ class IndexerV4(Indexer):
     """The V4 (compat) indexer: its keys come from its own overlapped compressor over the layer input.
 
     kI = rope(CompressorV4(x)) at index_head_dim, rotated at the entries' positions; the query and the
-    score are the V4.1 indexer's (`query`, `scores`). The released transformers V4 runs it without fake quantisation (so
-    without the Hadamard rotation that only conditions FP4 rounding).
+    score are the V4.1 indexer's (`query`, `scores`). Under `quant: qat` keys and queries are Hadamard-rotated
+    (`v4.indexer.hadamard`) and then MXFP4, as V4's official inference stores them; the released transformers
+    V4 runs without fake quantisation, where the orthonormal rotation would change nothing.
     """
 
     def __init__(self, dim: int, q_lora: int, heads: int, head_dim: int, ratio: int, eps: float, *,
-                 policy: Policy, rngs: nnx.Rngs):
+                 rotate: bool, policy: Policy, rngs: nnx.Rngs):
         self.heads, self.head_dim, self.ratio = heads, head_dim, ratio
+        self.rotate = rotate  # `v4.indexer.hadamard`: rotate keys and queries before FP4
         self.unroll = policy.lowering.unroll_index_heads
         self.compressor = CompressorV4(dim, head_dim, ratio, True, eps, policy=policy, rngs=rngs)
         self.wq_b = Dense(q_lora, heads * head_dim, ("q_lora", "index_heads"), policy=policy, rngs=rngs)
         self.weights_proj = Dense(dim, heads, ("embed", "index_heads"), policy=policy, rngs=rngs)
 
-    def keys(self, x_BSD, inv_freq):
-        """Indexer keys [B, S // ratio, dI] of the complete windows of x, entry i rotated at ratio·i."""
+    def keys(self, x_BSD, inv_freq, fake_quant: bool = False):
+        """Indexer keys [B, S // ratio, dI] of the complete windows of x, entry i rotated at ratio·i (with
+        `fake_quant`, as stored: Hadamard-rotated and MXFP4)."""
         latent = self.compressor(x_BSD)
-        return apply_rope(latent, entry_positions(latent, self.ratio), inv_freq)
+        k = apply_rope(latent, entry_positions(latent, self.ratio), inv_freq)
+        return self.fake_quant(k) if fake_quant else k
 
 
 

@@ -1,9 +1,10 @@
 """RoPE on the last `rope_head_dim` channels, interleaved pairs (DESIGN §2, §3.2).
 
-Two tables: "main" (θ = rope.theta) for window-only layers and "compressed" (θ = rope.compressed_theta
-with YaRN) for every layer with a compressed branch, used for everything in that layer: queries,
-window keys, compressed entries and the indexer. YaRN's attention factor is 1 (the V4 reference does
-not scale cos/sin). The tables are built in float32 like the reference's, so angles match bit for bit.
+Two tables: "main" (θ = rope.theta) for window-only layers and "compressed" (θ = rope.compressed_theta,
+with YaRN when rope.compressed_rope_type is "yarn", plain when "default") for every layer with a
+compressed branch, used for everything in that layer: queries, window keys, compressed entries and the
+indexer. YaRN's attention factor is 1 (the V4 reference does not scale cos/sin). The tables are built
+in float32 like the reference's, so angles match bit for bit.
 """
 
 from __future__ import annotations
@@ -43,11 +44,12 @@ def inv_freq_tables(cfg) -> dict[str, np.ndarray]:
     """{"main": ..., "compressed": ...} inverse frequencies of a config, float32 [rope_head_dim / 2]."""
     a = cfg.architecture
     r = a.rope
-    return {
-        "main": default_inv_freq(r.theta, a.rope_head_dim),
-        "compressed": yarn_inv_freq(r.compressed_theta, a.rope_head_dim, r.yarn_factor,
-                                    r.yarn_original_max_position, r.yarn_beta_fast, r.yarn_beta_slow),
-    }
+    if r.compressed_rope_type == "yarn":
+        compressed = yarn_inv_freq(r.compressed_theta, a.rope_head_dim, r.yarn_factor,
+                                   r.yarn_original_max_position, r.yarn_beta_fast, r.yarn_beta_slow)
+    else:  # "default": plain RoPE at compressed_theta, as transformers' default rope type
+        compressed = default_inv_freq(r.compressed_theta, a.rope_head_dim)
+    return {"main": default_inv_freq(r.theta, a.rope_head_dim), "compressed": compressed}
 
 
 def apply_rope(x, positions, inv_freq, inverse: bool = False):
