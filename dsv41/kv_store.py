@@ -163,11 +163,9 @@ def dequant_keys(packed_values, scale_bytes):
     return quant.dequantize_mxfp4(quant.unpack_fp4(packed_values), quant.from_bytes(scale_bytes, jnp.float8_e8m0fnu))
 
 
-def dequant_window(value_bytes, scale_bytes, record: "RopeSplitFP8 | None" = None):
-    """FP8 window values (+ UE8M0 scale bytes) [..., K] -> float32 [..., K]; the packed ring only. V4's ring
-    holds whole records (`record`; its scale leaf is empty)."""
-    if record is not None:
-        return record.decode(value_bytes)
+def dequant_window(value_bytes, scale_bytes):
+    """FP8 window values (+ UE8M0 scale bytes) [..., K] -> float32 [..., K]; V4.1's packed ring (V4's holds
+    `RopeSplitFP8` records)."""
     return quant.dequantize_fp8_ue8m0_32(quant.from_bytes(value_bytes, jnp.float8_e4m3fn),
                                          quant.from_bytes(scale_bytes, jnp.float8_e8m0fnu))
 

@@ -218,7 +218,7 @@ def quantize_fp8_ue8m0_32(x):
 
 def dequantize_fp8_ue8m0_32(values, scales):
     """(float8_e4m3fn [..., D], float8_e8m0fnu [..., D/32]) -> float32 [..., D]."""
-    _check_scales(values, scales, BLOCK[FP8_UE8M0_32])
+    _check_scales(values, scales, BLOCK[FP8_UE8M0_32])  # the block this name promises, not the shapes'
     return dequantize_fp8_ue8m0(values, scales)
 
 

@@ -11,6 +11,7 @@ import pytest
 import dsv41
 from dsv41 import cache as cache_lib
 from dsv41 import model
+from test_quant import ref_fp8, sylvester
 
 F32, F64 = np.float32, np.float64
 # A CSA layer first, so that its input (the embedding) is the same with and without fake quantisation.
@@ -32,8 +33,7 @@ def closed_formula(cfg, capacity: int) -> int:
     HCA compressor's r − 1 of 2K; the row's length."""
     a, v4, kv = cfg.architecture, cfg.v4, cfg.kv_cache
     k, d_i, w = a.head_dim, v4.indexer.head_dim, kv.swa_window_size
-    block = {64: 64, 16: 16}[int(kv.global_kv_scale.split("_")[2])]
-    main = record_bytes(cfg, block, kv.global_kv_entry_align_bytes)
+    main = record_bytes(cfg, int(kv.global_kv_scale.split("_")[2]), kv.global_kv_entry_align_bytes)
     window = record_bytes(cfg, int(kv.swa_kv_scale.split("_")[2]), 1)
     types = list(v4.layer_types)
     csa, hca = types.count("csa"), types.count("hca")
@@ -148,27 +148,20 @@ def test_stored_bytes_decode_to_the_forwards_fake_quant_values(run):
 
 
 def ref_fp8_bf16(x, cfg, block: int):
-    """V4's official `act_quant(kv[..., :-rd], block, "ue8m0")` (in place) in NumPy: per block of the NoPE
-    channels s = 2^ceil(log2(max(amax, 1e-4) / 448)), values E4M3 (round to nearest even, clipped at ±448) × s;
-    the RoPE channels BF16."""
+    """V4's official `act_quant(kv[..., :-rd], block, "ue8m0")` (in place) in NumPy: the NoPE channels through the
+    port's FP8 reference (`test_quant.ref_fp8`: UE8M0 scales per block, E4M3 values), the RoPE channels BF16."""
     rd = cfg.architecture.rope_head_dim
-    nope = np.asarray(x[..., :-rd], F64)
-    b = nope.reshape(*nope.shape[:-1], -1, block)
-    amax = np.maximum(np.abs(b).max(-1), F64(F32(1e-4)))
-    s = np.exp2(np.ceil(np.log2(F32(amax * F64(F32(1 / 448))))))[..., None]
-    q = np.clip(F32(b / s), -448, 448).astype(ml_dtypes.float8_e4m3fn).astype(F64) * s
-    rope = np.asarray(x[..., -rd:], F32).astype(ml_dtypes.bfloat16).astype(F64)
-    return F32(np.concatenate([q.reshape(nope.shape), rope], axis=-1))
+    x = np.asarray(x, F32)
+    nope = ref_fp8(x[..., :-rd], block)[2]
+    rope = x[..., -rd:].astype(ml_dtypes.bfloat16).astype(F32)
+    return np.concatenate([nope, rope], axis=-1)
 
 
 def ref_hadamard_mxfp4(x):
-    """V4's official indexer keys: `rotate_activation` (Sylvester Hadamard / sqrt(d), float64 here), then
+    """V4's official indexer keys: `rotate_activation` (Sylvester's Hadamard matrix / sqrt(d), float64 here), then
     `fp4_act_quant(…, 32)`: s = 2^ceil(log2(max(amax, 6·2^-126) / 6)), values E2M1 (nearest even) × s."""
     d = x.shape[-1]
-    h = np.ones((1, 1))
-    while h.shape[0] < d:
-        h = np.block([[h, h], [h, -h]])
-    y = np.asarray(x, F64) @ h.T / np.sqrt(d)
+    y = np.asarray(x, F64) @ sylvester(d).T / np.sqrt(d)
     b = y.reshape(*y.shape[:-1], -1, 32)
     amax = np.maximum(np.abs(b).max(-1), 6 * 2.0**-126)
     s = np.exp2(np.ceil(np.log2(amax / 6)))[..., None]
