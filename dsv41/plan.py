@@ -146,8 +146,8 @@ class Stack:
     (and cache leaves) stacked on a leading layers axis of size `groups`; a stack of one group runs
     unrolled. layers[g][i]: the i-th layer of group g. Inside a group, `runs` cuts the layers into
     `slots`: slot j holds runs[j] consecutive identical layers (parameters [G, runs[j], ...]; a run of
-    more than one layer is an inner `lax.scan`). Only layers that own no cache store, feed no other layer
-    and have no Engram table share a slot. The modules of slot j are built from the records of group 0's
+    more than one layer is an inner `lax.scan`). Only layers that own no cache store and feed no other
+    layer share a slot. The modules of slot j are built from the records of group 0's
     first layer of the slot, whose layer numbers are what a group's layers call each other (a source
     outside the stack is the same layer for every group)."""
 
@@ -206,15 +206,15 @@ def _signature(r: LayerRecord, start: int, hash_layers: int, pools: set) -> tupl
     """What must agree for two layers to share a stack slot: their kind, and their sources relative to the
     first layer of their group (inside the group) or as the same layer (outside it)."""
     rel = lambda src: None if src is None else (("in", src - start) if src >= start else ("out", src))
-    return (r.stage, r.mode, r.ratio, r.engram and r.index, r.index < hash_layers, r.index in pools,
+    return (r.stage, r.mode, r.ratio, r.index < hash_layers, r.index in pools,
             rel(r.kv_source), rel(r.index_source), rel(r.candidate_source))
 
 
 def layer_stacks(cfg) -> tuple[Stack, ...]:
     """The plan cut into stacks, left to right: at each layer the run of repeated groups that covers the
-    most layers (a shorter group on ties), else the layer alone. Layers with Engram tables never stack
-    (each table has its own number of rows); a group whose layers are read by a later layer outside it
-    does not either (only a one-group stack hands its results on)."""
+    most layers (a shorter group on ties), else the layer alone. Engram does not part layers: its tables sit
+    outside the stacks (`nn.model.Transformer.engram_step`). A group whose layers are read by a later layer
+    outside it does not stack (only a one-group stack hands its results on)."""
     return _stacks(layer_plan(cfg), int(cfg.architecture.moe.hash_layers))
 
 
@@ -253,9 +253,9 @@ def _stacks(plan: tuple[LayerRecord, ...], hash_layers: int) -> tuple[Stack, ...
 
 def _runs(plan, start: int, width: int, hash_layers: int, pools: set, readers: dict) -> tuple[int, ...]:
     """The slots of a group starting at `start`: runs of consecutive layers with one signature that own no
-    store, feed no layer and have no Engram table (V4.1-Flash's Reuse layers after a Full or Reindex)."""
+    store and feed no layer (V4.1-Flash's Reuse layers after a Full or Reindex)."""
     def plain(r):
-        return not r.stores_entries and not r.engram and r.index not in readers and r.index not in pools
+        return not r.stores_entries and r.index not in readers and r.index not in pools
 
     runs, i = [], start
     while i < start + width:

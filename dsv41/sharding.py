@@ -39,7 +39,6 @@ from dsv41.errors import ConfigError
 from dsv41.nn import moe as moe_lib
 from dsv41.nn import policy as policy_lib
 from dsv41.nn.policy import Lowering
-from dsv41.plan import layer_plan, layer_slot
 
 MESH_AXES = ("data", "expert", "tensor")
 
@@ -309,23 +308,21 @@ def gather_engram_rows(cfg, params, ids_BSLC):
     """
     from jax.experimental.compute_on import compute_on
     b, s, n, c = ids_BSLC.shape
-    layers = [r.index for r in layer_plan(cfg) if r.engram]
     tables = {}
-    for j, i in enumerate(layers):
-        s_, g, slot, _ = layer_slot(cfg, i)  # an Engram layer is a one-group stack (plan.layer_stacks)
-        ids = jax.device_put(ids_BSLC[:, :, j].reshape(-1), jax.memory.Space.Host)
+    for k in range(n):  # the k-th Engram layer's module: `engram.{k}` (outside the stacks)
+        ids = jax.device_put(ids_BSLC[:, :, k].reshape(-1), jax.memory.Space.Host)
         with compute_on("device_host"):
             # in bounds by construction (hash ids < rows): no bound check, whose constants would live on the device
-            table = params["stacks"][s_]["slots"][slot]["engram"]["table"][...][g]
+            table = params["engram"][k]["table"][...]
             rows = jax.lax.gather(table, ids[:, None], jax.lax.GatherDimensionNumbers(
                 offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,)), (1, table.shape[1]),
                 mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
-        tables[(s_, slot)] = jax.device_put(rows[None], jax.memory.Space.Device)
+        tables[k] = jax.device_put(rows, jax.memory.Space.Device)
 
     def swap(path, v):
         keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-        if len(keys) == 6 and keys[0] == "stacks" and keys[4:] == ["engram", "table"] and (keys[1], keys[3]) in tables:
-            return v.replace(tables[(keys[1], keys[3])])
+        if len(keys) == 3 and keys[0] == "engram" and keys[2] == "table" and keys[1] in tables:
+            return v.replace(tables[keys[1]])
         return v
 
     params = jax.tree_util.tree_map_with_path(swap, params, is_leaf=_is_var)

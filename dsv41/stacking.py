@@ -4,7 +4,8 @@ The model keeps each layer's parameters in its stack: `stacks.{s}.slots.{j}.…`
 axis [G, ...] (`plan.layer_stacks`). Everything outside the model speaks per layer — checkpoint files
 (`layers.{i}.attn.wq_a.w`), the official and transformers names, a test reading layer 6's indexer — and
 goes through the one map here: layer i = (stack s, group g, slot j, run position r) of `plan.layer_slot`;
-a slot holding a run of identical layers keeps its leaves [G, R, ...] (`plan.Stack.grid`).
+a slot holding a run of identical layers keeps its leaves [G, R, ...] (`plan.Stack.grid`). The Engram
+modules sit outside the stacks, `engram.{k}.…` for the k-th Engram layer (`layers.{i}.engram.…`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dsv41.plan import layer_stacks
+from dsv41.plan import layer_plan, layer_stacks
 
 LAYERS = "layers"
+ENGRAM = "engram"
+
+
+def engram_layers(cfg) -> tuple[int, ...]:
+    """The Engram layers in the order of the model's `engram.{k}` modules (and the hash ids' columns)."""
+    return tuple(r.index for r in layer_plan(cfg) if r.engram)
 
 
 @functools.lru_cache(maxsize=32)
@@ -26,9 +33,11 @@ def _grids(stacks) -> dict[tuple[int, int], np.ndarray]:
     return {(s, j): np.asarray(st.grid(j)) for s, st in enumerate(stacks) for j in range(st.slots)}
 
 
-def layer_path(path: tuple, at: tuple, stacks) -> tuple:
-    """The per-layer path of the leaf at index `at` ((g,) or (g, r)) of a stacked path (other paths
-    unchanged)."""
+def layer_path(path: tuple, at: tuple, stacks, engram: tuple = ()) -> tuple:
+    """The per-layer path of the leaf at index `at` ((g,) or (g, r)) of a stacked path, or of an Engram
+    module's leaf (`engram.{k}.…`, engram: `engram_layers`); other paths unchanged."""
+    if path[:1] == (ENGRAM,) and engram:
+        return (LAYERS, engram[path[1]], ENGRAM, *path[2:])
     if path[:1] != ("stacks",):
         return path
     s, j = path[1], path[3]
@@ -45,12 +54,12 @@ def stacked_axes(path: tuple, stacks) -> int:
 def per_layer(state: nnx.State, cfg) -> list[tuple[tuple, nnx.Variable]]:
     """[(per-layer path, variable)] of a stacked state: a stacked leaf [G, ...] (or [G, R, ...]) gives one
     variable per layer (slices, their `out_sharding` without the layers axes)."""
-    stacks = layer_stacks(cfg)
+    stacks, engram = layer_stacks(cfg), engram_layers(cfg)
     out = []
     for path, var in nnx.to_flat_state(state):
         n = stacked_axes(path, stacks)
         if not n:
-            out.append((path, var))
+            out.append((layer_path(path, (), stacks, engram), var))
             continue
         value = var.get_value()
         axes = var.get_metadata().get("out_sharding")
@@ -75,7 +84,7 @@ def layer_dict(state: nnx.State, cfg) -> dict[tuple, object]:
 def from_per_layer(values, abstract: nnx.State, cfg, dtype_of=None) -> nnx.State:
     """The stacked state of `abstract`'s structure from `values` {per-layer path: array}: each stacked leaf
     the G layers' arrays stacked (NumPy on the host, then one device array). Every path must be there."""
-    stacks = layer_stacks(cfg)
+    stacks, engram = layer_stacks(cfg), engram_layers(cfg)
     flat = []
     for path, var in nnx.to_flat_state(abstract):
         like = var.get_value()
@@ -85,7 +94,7 @@ def from_per_layer(values, abstract: nnx.State, cfg, dtype_of=None) -> nnx.State
             array = np.stack([np.asarray(values[layer_path(path, at, stacks)]) for at in np.ndindex(*grid)])
             array = array.reshape(*grid, *array.shape[1:])
         else:
-            array = values[path]
+            array = values[layer_path(path, (), stacks, engram)]
         flat.append((path, var.replace(jax.numpy.asarray(array, dtype=like.dtype))))
     return nnx.from_flat_state(flat)
 
@@ -105,7 +114,7 @@ def restack(old_tree, abstract_tree, cfg):
     buffers before the layer stacks) in the structure of `abstract_tree` (stacked): each stacked leaf is its
     G layers' leaves stacked. Raises ValueError naming a path the old tree lacks."""
     old = {_key_names(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(old_tree)[0]}
-    grids = _grids(layer_stacks(cfg))
+    grids, engram = _grids(layer_stacks(cfg)), engram_layers(cfg)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_tree)
     out = []
     for path, like in leaves:
@@ -115,6 +124,9 @@ def restack(old_tree, abstract_tree, cfg):
             at = keys.index("stacks")
             grid = grids[(int(keys[at + 1]), int(keys[at + 3]))]
             names = [(*keys[:at], LAYERS, str(layer), *keys[at + 4:]) for layer in grid.flat]
+        elif ENGRAM in keys and engram:
+            at = keys.index(ENGRAM)
+            names = [(*keys[:at], LAYERS, str(engram[int(keys[at + 1])]), ENGRAM, *keys[at + 2:])]
         else:
             names = [keys]
         missing = [".".join(n) for n in names if n not in old]

@@ -242,8 +242,8 @@ def _run(model, cfg, stage, state: _State, published, inputs: _Inputs, entries_r
                 return attn.step(h, inputs.positions, inputs.valid, inputs.lengths, ring, state.window_start[at.layer],
                                  published, stores, entries_ready=True in ready[at.j])
 
-            ids = None if block.engram is None else model.engram_column(at.layer, inputs.engram_ids)
-            x, pre, (new_ring, new_stores, handoff) = block(state.x, state.pre, attend, ids, inputs.tokens)
+            x = model.engram_step(at, state.x, inputs.engram_ids)
+            x, pre, (new_ring, new_stores, handoff) = block(x, state.pre, attend, inputs.tokens)
             for src, k in where.items():
                 compressed[k] = CompressedKV(**new_stores[src].leaves)
             if handoff is not None:

@@ -235,6 +235,7 @@ def per_layer_tree(tree, cfg) -> dict:
     stacked leaf [G, ...] split into its G layers (the inverse of the map `stacking` owns, written out
     here: layer = the stack's group g, slot j)."""
     stacks = dsv41.plan.layer_stacks(cfg)
+    engram = sorted(cfg.architecture.engram.layers)  # the model's `engram.{k}` is the k-th Engram layer
     out: dict = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         keys = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
@@ -244,6 +245,9 @@ def per_layer_tree(tree, cfg) -> dict:
             s, j = int(keys[at + 1]), int(keys[at + 3])
             pieces = [(keys[:at] + ["layers", str(group[j])] + keys[at + 4:], leaf[g])
                       for g, group in enumerate(stacks[s].layers)]
+        elif "engram" in keys:
+            at = keys.index("engram")
+            pieces = [(keys[:at] + ["layers", str(engram[int(keys[at + 1])]), "engram"] + keys[at + 2:], leaf)]
         for names, value in pieces:
             node = out
             for name in names[:-1]:
@@ -267,6 +271,30 @@ def test_a_checkpoint_from_before_the_layer_stacks_resumes(cfg, tmp_path):
     assert data_state == {"index": 7}
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_engram_tables_restore_from_per_layer_paths(tmp_path):
+    """The Engram modules sit outside the stacks (`engram.{k}`), one per Engram layer even where the layer
+    itself is scanned (tiny with Engram at layers 1 and 4, as the port's cases): parameters saved per layer
+    (`layers.{i}.engram.…`) restore into them, every leaf equal, and round-trip through `stacking`."""
+    engram = '{"layers": [1, 4], "max_ngram": 3, "heads_per_ngram": 2, "row_dim": 16, ' \
+             '"compressed_vocab_size": 256, "prime_floor": 100, "pad_id": 2}'
+    cfg = dsv41.load_config("tiny", [f"architecture.engram={engram}"])
+    assert all(dsv41.plan.layer_stacks(cfg)[dsv41.plan.layer_slot(cfg, i)[0]].groups > 1 for i in (1, 4))
+    params = model_lib.init_params(cfg, jax.random.key(5))
+    rows = [params["engram"][k]["table"][...].shape[0] for k in range(2)]
+    assert rows == list(dsv41.engram_hash.EngramLayout.from_config(cfg).rows_per_layer)  # layers 1, 4 in order
+    with Checkpointer(tmp_path / "old", every=1, keep=1) as ck:
+        ck.save(1, per_layer_tree(params, cfg), {}, force=True)
+    with Checkpointer(tmp_path / "old") as ck:
+        restored, _ = ck.restore(model_lib.abstract_params(cfg), cfg=cfg)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(restored)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    per = stacking.layer_dict(params, cfg)
+    np.testing.assert_array_equal(per[("layers", 4, "engram", "table")], np.asarray(params["engram"][1]["table"][...]))
+    back = stacking.from_per_layer(per, model_lib.abstract_params(cfg), cfg)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -1,4 +1,5 @@
-"""One layer: [Engram] → attention site → FFN site, each wrapped in mHC (DESIGN §3.1)."""
+"""One layer: attention site → FFN site, each wrapped in mHC (DESIGN §3.1). A layer's Engram (DESIGN §3.7)
+runs before its Block, from the model (`Transformer.engram_step`): its table has its own number of rows."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from dsv41 import schema
 from dsv41.nn import mhc
 from dsv41.nn.attention import Attention
 from dsv41.nn.attention_v4 import AttentionV4
-from dsv41.nn.engram import Engram
 from dsv41.nn.moe import MoE
 from dsv41.nn.norm import RMSNorm
 from dsv41.nn.policy import Policy
@@ -16,15 +16,12 @@ from dsv41.plan import LayerRecord
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg, record: LayerRecord, inv_freq: dict, builds_pool: bool, engram_rows: int | None, *,
-                 policy: Policy, rngs: nnx.Rngs):
+    def __init__(self, cfg, record: LayerRecord, inv_freq: dict, builds_pool: bool, *, policy: Policy,
+                 rngs: nnx.Rngs):
         a = cfg.architecture
         d, n = a.hidden_size, a.mhc.streams
         hc = dict(sinkhorn_iters=a.mhc.sinkhorn_iters, eps=a.mhc.eps, norm_eps=a.norm_eps, init_std=policy.init_std,
                   rngs=rngs, unroll=policy.lowering.unroll_layers)
-        e = a.engram
-        self.engram = (Engram(d, n, engram_rows, e.row_dim, (e.max_ngram - 1) * e.heads_per_ngram, a.norm_eps,
-                              policy=policy, rngs=rngs) if record.engram else None)
         self.classic = a.mhc.variant == "classic"
         self.hc_attn = mhc.HyperConnection(n, d, **hc)
         self.attn_norm = RMSNorm(d, a.norm_eps, "embed")
@@ -37,14 +34,12 @@ class Block(nnx.Module):
         self.ffn = MoE(d, m.num_experts, m.top_k, m.intermediate_size, m.num_shared_experts, m.route_scale,
                        m.swiglu_limit, a.vocab_size if hashed else 0, policy=policy, rngs=rngs)
 
-    def __call__(self, x_BSND, pre_BSN, attend, engram_ids_BSC=None, tokens_BS=None):
+    def __call__(self, x_BSND, pre_BSN, attend, tokens_BS=None):
         """Single-pass mHC: each site collapses with the previous site's `pre` and hands its own on.
         Classic mHC (V4): each site collapses with its own `pre` (pre_BSN is not read).
         `attend(attn, h) -> (y, state)` runs the attention layer on its normalised input: over the whole
         sequence (`forward`: state is the layer's `Handoff` or None) or over the cache (`dsv41.steps`: its
         new window ring, the updated stores and its Handoff). Returns (x, pre, state)."""
-        if self.engram is not None:
-            x_BSND = self.engram(x_BSND, engram_ids_BSC)
         attn_pre, post, comb = self.hc_attn.mixes(x_BSND)
         h = mhc.collapse(x_BSND, attn_pre if self.classic else pre_BSN)
         self.sow(nnx.Intermediate, "attn_input", h)

@@ -2,7 +2,9 @@
 
 The layers run as the plan's stacks (`plan.layer_stacks`, DESIGN §9): a stack of G identical groups keeps
 each parameter with a leading layers axis [G, ...] and runs as one `lax.scan` over the groups, so a
-group is traced once however many the model has; a one-group stack runs unrolled. The final collapse
+group is traced once however many the model has; a one-group stack runs unrolled. Engram tables (each
+with its own number of rows) sit outside the stacks, one module per Engram layer, and a stacked slot
+that holds an Engram layer picks its table by `lax.switch` on the layer number. The final collapse
 uses the last FFN site's `pre` (single-pass mHC, V4.1) or its own `hc_head` (classic mHC, V4)."""
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dsv41.nn import mhc, rope
 from dsv41.nn.block import Block
+from dsv41.nn.engram import Engram
 from dsv41.nn.linear import Dense, param
 from dsv41.nn.norm import RMSNorm
 from dsv41.nn.policy import Policy
@@ -24,21 +28,22 @@ from dsv41.plan import Stack, layer_plan, layer_stacks
 @dataclasses.dataclass(frozen=True)
 class LayerAt:
     """Where `LayerStack.run` is: group g and run position r (ints where unrolled, else traced), slot j
-    (static) and `layer` the layer's number (an int where g and r are, else traced). The slot's modules
-    hold the record of group 0's first layer of the slot (`block.attn.record`)."""
+    (static), `layer` the layer's number (an int where g and r are, else traced) and `layers` the numbers
+    it may take (static: the slot's layers). The slot's modules hold the record of group 0's first layer
+    of the slot (`block.attn.record`)."""
 
     g: object
     j: int
     r: object
     layer: object
+    layers: tuple = ()
 
 
 class LayerStack(nnx.Module):
     """The Blocks of one stack: slot j holds the layers `spec.grid(j)`, each parameter [G, ...] ([G, R, ...]
     for a run of R identical layers)."""
 
-    def __init__(self, cfg, spec: Stack, tables: dict, pools: set, engram_rows: dict, *, policy: Policy,
-                 rngs: nnx.Rngs):
+    def __init__(self, cfg, spec: Stack, tables: dict, pools: set, *, policy: Policy, rngs: nnx.Rngs):
         plan = layer_plan(cfg)
         self.spec = spec
         self.unroll = policy.lowering.unroll_layers  # FLOP counting: every layer traced on its own
@@ -54,8 +59,7 @@ class LayerStack(nnx.Module):
             rec = plan[spec.slot_layers(0, j)[0]]
 
             def block(rngs):
-                return Block(cfg, rec, tables, rec.index in pools, engram_rows.get(rec.index), policy=policy,
-                             rngs=rngs)
+                return Block(cfg, rec, tables, rec.index in pools, policy=policy, rngs=rngs)
 
             return stacked(spec.groups, block if spec.runs[j] == 1 else stacked(spec.runs[j], block))(rngs)
 
@@ -79,9 +83,11 @@ class LayerStack(nnx.Module):
         singles = [st if spec.runs[j] == 1 else None for j, (_, st) in enumerate(split)]
         whole = [None if spec.runs[j] == 1 else st for j, (_, st) in enumerate(split)]
 
+        slot_layers = [tuple(int(i) for i in np.ravel(spec.grid(j))) for j in range(spec.slots)]
+
         def one(block, g, j, r, carry, published):
             layer = spec.first + g * spec.width + spec.offset(j) + r
-            at = LayerAt(g, j, r, layer)
+            at = LayerAt(g, j, r, layer, slot_layers[j])
             (carry, published), rec = nnx.capture(lambda b: layer_fn(b, at, carry, published),
                                                   nnx.Intermediate)(block)
             return carry, published, _plain(rec) if record else None
@@ -178,8 +184,13 @@ class Transformer(nnx.Module):
         self.num_layers = len(plan)
         self.engram_layers = tuple(r.index for r in plan if r.engram)
         self.embed = param(rngs, (a.vocab_size, a.hidden_size), ("vocab", "embed"), policy.param_dtype, policy.init_std)
-        self.stacks = nnx.List([LayerStack(cfg, spec, tables, pools, engram_rows, policy=policy, rngs=rngs)
+        self.stacks = nnx.List([LayerStack(cfg, spec, tables, pools, policy=policy, rngs=rngs)
                                 for spec in layer_stacks(cfg)])
+        e = a.engram
+        # One module per Engram layer, in `engram_layers` order (`engram.{k}.…`; per layer `layers.{i}.engram.…`).
+        self.engram = nnx.List([Engram(a.hidden_size, a.mhc.streams, engram_rows[i], e.row_dim,
+                                       (e.max_ngram - 1) * e.heads_per_ngram, a.norm_eps, policy=policy, rngs=rngs)
+                                for i in self.engram_layers])
         self.hc_head = (mhc.HyperHead(a.mhc.streams, a.hidden_size, eps=a.mhc.eps, norm_eps=a.norm_eps,
                                      init_std=policy.init_std, rngs=rngs)
                         if a.mhc.variant == "classic" else None)
@@ -200,11 +211,28 @@ class Transformer(nnx.Module):
         x_BSND = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.streams, x.shape[-1]))
         return x_BSND, jax.nn.one_hot(jnp.zeros(tokens_BS.shape, jnp.int32), self.streams, dtype=jnp.float32)
 
-    def engram_column(self, layer: int, engram_ids_BSLC):
-        """A layer's Engram ids [B, S, C] (None for a layer without Engram)."""
-        if layer not in self.engram_layers:
-            return None
-        return engram_ids_BSLC[:, :, self.engram_layers.index(layer)]
+    def engram_step(self, at: LayerAt, x_BSND, engram_ids_BSLC):
+        """The residual streams after the Engram of layer `at.layer`, if it has one: the layer's own module
+        where the layer number is static, else a `lax.switch` on it over the Engram layers the slot may be
+        (`at.layers`) and no Engram."""
+        if engram_ids_BSLC is None:
+            return x_BSND
+        if not isinstance(at.layer, jax.Array):
+            if at.layer not in self.engram_layers:
+                return x_BSND
+            k = self.engram_layers.index(at.layer)
+            return self.engram[k](x_BSND, engram_ids_BSLC[:, :, k])
+        mine = [k for k, i in enumerate(self.engram_layers) if i in at.layers]
+        if not mine:
+            return x_BSND
+        branch = np.zeros((self.num_layers,), np.int32)
+        for b, k in enumerate(mine):
+            branch[self.engram_layers[k]] = b + 1
+
+        def apply(k):
+            return lambda x: self.engram[k](x, engram_ids_BSLC[:, :, k])
+
+        return jax.lax.switch(jnp.asarray(branch)[at.layer], [lambda x: x] + [apply(k) for k in mine], x_BSND)
 
     def __call__(self, tokens_BS, positions_BS, engram_ids_BSLC=None, *, record: bool = False, remat=None):
         """Logits [B, S, V] in fp32 of a whole sequence (teacher forced); with `record`, also per layer
@@ -215,8 +243,8 @@ class Transformer(nnx.Module):
 
         def layer(block, at, carry, published):
             x_BSND, pre = carry
-            ids = None if block.engram is None else self.engram_column(at.layer, engram_ids_BSLC)
-            x_BSND, pre, handoff = block(x_BSND, pre, lambda attn, h: attn(h, positions_BS, published), ids, tokens_BS)
+            x_BSND = self.engram_step(at, x_BSND, engram_ids_BSLC)
+            x_BSND, pre, handoff = block(x_BSND, pre, lambda attn, h: attn(h, positions_BS, published), tokens_BS)
             if handoff is not None:
                 published = {**published, block.attn.record.index: handoff}
             return (x_BSND, pre), published
