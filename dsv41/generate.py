@@ -32,7 +32,7 @@ from dsv41.steps import bind, step_body
 def generate(params, cfg, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, stop_tokens=(), seed: int = 0, chunk: int = 512, vocab_limit: int | None = None,
              token_map=None, on_token=None, on_prefill_progress=None, prefix_cache=None, loop: str = "host",
-             block: int = 32) -> list[int]:
+             block: int = 32, max_len: int | None = None) -> list[int]:
     """The ids generated after `prompt_ids` (a list of ints), at most max_new_tokens of them.
 
     vocab_limit: draw only ids below it (a tokenizer smaller than the embedding, whose padding rows an
@@ -41,19 +41,22 @@ def generate(params, cfg, prompt_ids, *, max_new_tokens: int, temperature: float
     after each prefill chunk, in prompt tokens. prefix_cache: a `dsv41.prefix_cache.PrefixCache` of these
     params and config: the prompt's cached prefix is restored and its new blocks are saved (DESIGN §7).
     top_k: keep the k most likely ids before the nucleus (0: all). loop: "host" or "device" (module doc);
-    block: tokens per device-loop call (on_token is then called a block at a time).
+    block: tokens per device-loop call (on_token is then called a block at a time). max_len: the cache's
+    capacity in tokens (default: the prompt + max_new_tokens); one fixed capacity keeps the steps' shapes,
+    and so their compiled programs, the same for every request that fits, as gemma's `cache_length` does.
     """
     emit = None if on_token is None else (lambda row, token: on_token(token))
     return _generate(params, cfg, [prompt_ids], max_new_tokens=max_new_tokens, temperature=temperature,
                      top_p=top_p, top_k=top_k, stop_tokens=stop_tokens, seed=seed, chunk=chunk,
                      vocab_limit=vocab_limit, token_map=token_map, on_token=emit,
-                     on_prefill_progress=on_prefill_progress, prefix_cache=prefix_cache, loop=loop, block=block)[0]
+                     on_prefill_progress=on_prefill_progress, prefix_cache=prefix_cache, loop=loop, block=block,
+                     max_len=max_len)[0]
 
 
 def generate_batch(params, cfg, prompts, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                    top_k: int = 0, stop_tokens=(), seed: int = 0, chunk: int = 512, vocab_limit: int | None = None,
                    token_map=None, on_prefill_progress=None, prefix_cache=None, loop: str = "host",
-                   block: int = 32) -> list[list[int]]:
+                   block: int = 32, max_len: int | None = None) -> list[list[int]]:
     """`generate` for several prompts (lists of ids, any lengths) in one batch: a list of outputs.
 
     Each row stops on its own; a finished row brings no more tokens to the steps (length 0).
@@ -61,16 +64,22 @@ def generate_batch(params, cfg, prompts, *, max_new_tokens: int, temperature: fl
     return _generate(params, cfg, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                      top_k=top_k, stop_tokens=stop_tokens, seed=seed, chunk=chunk, vocab_limit=vocab_limit,
                      token_map=token_map, on_token=None, on_prefill_progress=on_prefill_progress,
-                     prefix_cache=prefix_cache, loop=loop, block=block)
+                     prefix_cache=prefix_cache, loop=loop, block=block, max_len=max_len)
 
 
 def _generate(params, cfg, prompts, *, max_new_tokens, temperature, top_p, top_k, stop_tokens, seed, chunk,
-              vocab_limit, token_map, on_token, on_prefill_progress, prefix_cache=None, loop="host", block=32):
+              vocab_limit, token_map, on_token, on_prefill_progress, prefix_cache=None, loop="host", block=32,
+              max_len=None):
     prompts = [list(p) for p in prompts]
     stop = set(check_request(cfg, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              stop_tokens=stop_tokens, chunk=chunk, vocab_limit=vocab_limit, top_k=top_k, seed=seed,
                              loop=loop, block=block))
-    max_len = max(map(len, prompts)) + max_new_tokens  # init_cache rounds it up to the compression ratios
+    needed = max(map(len, prompts)) + max_new_tokens
+    if max_len is None:
+        max_len = needed  # init_cache rounds it up to the compression ratios
+    elif isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < needed:
+        raise ValueError(f"max_len: {max_len!r}: expected an int of at least the longest prompt + max_new_tokens "
+                         f"= {needed}")
     if prefix_cache is not None:
         if prefix_cache.params is not params or model_lib.config_key(prefix_cache.cfg) != model_lib.config_key(cfg):
             raise ValueError("prefix_cache: built for other parameters or another config: expected a PrefixCache "
@@ -211,13 +220,12 @@ def _sample_block(key: str, lowering, block: int, params, cache, logits_BV, rows
         generated = generated + emit.astype(jnp.int32)
         done = done | stop | (generated >= rows.max_new_tokens)
 
-        def advance(state):
-            cache, logits = state
-            live = (~done).astype(jnp.int32)
-            logits, cache = step_body(key, lowering, params, cache, jnp.where(done, 0, token)[:, None], live, None)
-            return cache, logits
-
-        cache, logits = jax.lax.cond(jnp.all(done), lambda state: state, advance, (cache, logits))
+        # Every iteration runs the step, done rows with no new token (their cache rows unchanged). A
+        # `lax.cond` that skipped it once every row is done would pass the cache through one branch, and XLA
+        # copies a buffer a conditional branch passes through: the whole cache, every step
+        # (docs/compile_time.md). The step it skipped is at most one per call, after the last token.
+        live = (~done).astype(jnp.int32)
+        logits, cache = step_body(key, lowering, params, cache, jnp.where(done, 0, token)[:, None], live, None)
         return i + 1, cache, logits, generated, done, out
 
     out = jnp.full((done_B.shape[0], block), -1, jnp.int32)

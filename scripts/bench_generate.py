@@ -32,6 +32,8 @@ def main(argv=None) -> None:
     p.add_argument("--new", type=int, default=64, help="new tokens per row (default 64)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt tokens per row (default 16)")
     p.add_argument("--block", type=int, default=64, help="tokens per device-loop call (default 64)")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="cache capacity in tokens (generate's max_len; default prompt + new tokens)")
     p.add_argument("--repeats", type=int, default=2, help="timed calls per cell, best kept (default 2)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
@@ -46,7 +48,7 @@ def main(argv=None) -> None:
         outs, cell = {}, {"batch": b}
         for loop in ("host", "device"):
             run = lambda: gen.generate_batch(params, cfg, prompts, max_new_tokens=args.new, chunk=args.prompt_tokens,
-                                             loop=loop, block=args.block)
+                                             loop=loop, block=args.block, max_len=args.capacity)
             t0 = time.perf_counter()
             outs[loop] = run()
             cell[f"{loop}_first_call_s"] = round(time.perf_counter() - t0, 2)
@@ -65,6 +67,7 @@ def main(argv=None) -> None:
                   f"(first calls incl. compile: host {cell['host_first_call_s']} s, device "
                   f"{cell['device_first_call_s']} s)", flush=True)
     out = {"config": cfg.model, "new_tokens": args.new, "prompt_tokens": args.prompt_tokens, "block": args.block,
+           "capacity": args.capacity,
            "backend": jax.default_backend(), "load_average_before": load, "rows": rows}
     if args.json:
         print(json.dumps(out))

@@ -159,6 +159,35 @@ def test_the_device_loop_equals_the_host_loop(model):
     assert run("device", temperature=1.0, top_k=5, seed=3) == sampled != greedy
 
 
+def test_a_fixed_capacity_gives_the_same_tokens_and_a_short_one_is_refused(model):
+    """max_len: the cache's capacity (gemma's cache_length); a larger one than the request needs changes no
+    token (the steps cover the filled part of each row), one too small is refused naming the field."""
+    prompts = [[104, 105, 3, 7, 9], [11, 12]]
+    run = lambda **kw: gen.generate_batch(*model, prompts, max_new_tokens=4, chunk=4, **kw)
+    assert run(max_len=256, loop="device", block=2) == run()
+    with pytest.raises(ValueError, match=r"max_len: 8: expected an int of at least .* = 9"):
+        run(max_len=8)
+
+
+@pytest.mark.slow
+def test_the_device_loop_updates_the_cache_in_place(model):
+    """The compiled block of decode steps holds no copy of a cache store: a whole-cache copy per step (as a
+    `lax.cond` that passed the cache through did, on every store) would make a token's cost follow the cache's
+    capacity. Counted in the optimised HLO of `_sample_block`, for every uint8 store leaf of the cache."""
+    params, cfg = model
+    b = 2
+    cache = dsv41.init_cache(cfg, b, cfg.context_window)
+    logits = jax.numpy.zeros((b, cfg.architecture.vocab_size), jax.numpy.float32)
+    rows = gen.Sampling.of(b, vocab_limit=cfg.architecture.vocab_size, max_new_tokens=8)
+    none = jax.numpy.zeros((b,), jax.numpy.int32), jax.numpy.zeros((b,), bool)
+    hlo = gen._sample_block.lower(dsv41.model.config_key(cfg), None, 4, params, cache, logits, rows, *none).compile()
+    lines = hlo.as_text().splitlines()
+    stores = {f"u8[{','.join(map(str, x.shape))}]" for x in jax.tree.leaves(cache.compressed) if x.ndim == 4}
+    assert stores
+    copied = {shape for shape in stores for line in lines if " copy(" in line and shape in line.split(" copy(")[0]}
+    assert not copied, copied
+
+
 @pytest.mark.slow
 def test_a_stop_token_ends_generation_and_is_not_returned(model, greedy):
     stop = greedy[1]
