@@ -118,13 +118,20 @@ def collective_bytes(hlo_text: str) -> dict:
     return {k: {"ops": count[k], "bytes": out[k]} for k in COLLECTIVES if count[k]}
 
 
-def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, context: int, engram_host: bool) -> dict:
-    """AOT-compiles one step (seq = 1: decode; seq > 1: a prefill chunk) and measures it."""
+def step_program(cfg, mesh, rules, *, weights: str, batch: int, seq: int, context: int, engram_host: bool):
+    """(the jitted step, its abstract arguments) as the report compiles them: `fn.trace(*args).lower()`."""
     args, pshard = abstract_inputs(cfg, mesh, rules, weights=weights, batch=batch, seq=seq, context=context,
                                    engram_host=engram_host)
     fn = sh.step_function(cfg, mesh, rules, tokens_shape=(batch, seq), ids_shape=None if args[4] is None else
                           args[4].shape, max_len=context, params_shardings=pshard,
                           engram_host=engram_host)
+    return fn, args
+
+
+def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, context: int, engram_host: bool) -> dict:
+    """AOT-compiles one step (seq = 1: decode; seq > 1: a prefill chunk) and measures it."""
+    fn, args = step_program(cfg, mesh, rules, weights=weights, batch=batch, seq=seq, context=context,
+                            engram_host=engram_host)
     t0 = time.perf_counter()
     lowered = fn.trace(*args).lower()
     t1 = time.perf_counter()

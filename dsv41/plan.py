@@ -128,6 +128,12 @@ def _plan_v4(cfg) -> list[LayerRecord]:
     return records
 
 
+def engram_layers(cfg) -> tuple[int, ...]:
+    """The Engram layers, ascending: the order of the model's `engram.{k}` modules and of the hash ids'
+    columns."""
+    return tuple(r.index for r in layer_plan(cfg) if r.engram)
+
+
 def counts(plan) -> dict[str, int]:
     """Number of layers per mode."""
     out: dict[str, int] = {}
@@ -212,8 +218,8 @@ def _signature(r: LayerRecord, start: int, hash_layers: int, pools: set) -> tupl
 
 def layer_stacks(cfg) -> tuple[Stack, ...]:
     """The plan cut into stacks, left to right: at each layer the run of repeated groups that covers the
-    most layers (a shorter group on ties), else the layer alone. Engram does not part layers: its tables sit
-    outside the stacks (`nn.model.Transformer.engram_step`). A group whose layers are read by a later layer
+    most layers (a shorter group on ties), else the layer alone. Engram does not split stacks: its tables
+    sit outside them (`nn.model.Transformer.engram_step`). A group whose layers are read by a later layer
     outside it does not stack (only a one-group stack hands its results on)."""
     return _stacks(layer_plan(cfg), int(cfg.architecture.moe.hash_layers))
 

@@ -16,15 +16,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from dsv41.plan import layer_plan, layer_stacks
+from dsv41.plan import engram_layers, layer_stacks
 
 LAYERS = "layers"
 ENGRAM = "engram"
-
-
-def engram_layers(cfg) -> tuple[int, ...]:
-    """The Engram layers in the order of the model's `engram.{k}` modules (and the hash ids' columns)."""
-    return tuple(r.index for r in layer_plan(cfg) if r.engram)
 
 
 @functools.lru_cache(maxsize=32)

@@ -4,8 +4,8 @@ per computation (the entry and each loop body), for V4.1-Flash compiled for a TP
     JAX_PLATFORMS=cpu python scripts/compile_fusions.py --seq 1            # decode
     JAX_PLATFORMS=cpu python scripts/compile_fusions.py --seq 256 --set runtime.score_tile=1048576
 
-The step is built as `dsv41 compile-report` builds it (`compile_report.abstract_inputs`,
-`sharding.step_function`, every chip on `expert`), with the persistent compilation cache off. The TPU
+The step is the one `dsv41 compile-report` compiles (`compile_report.step_program`, every chip on
+`expert`), with the persistent compilation cache off. The TPU
 backend's time follows the number of fusions it compiles and their shapes (docs/compile_time.md).
 Needs libtpu (the `tpu` extra)."""
 
@@ -52,12 +52,8 @@ def main(argv=None) -> int:
     cfg = cr.report_config(dsv41.load_config(args.config, overrides=args.set), args.weights, "reference")
     devices = cr.topology_devices(args.topology)
     mesh = sh.make_mesh({"expert": len(devices)}, devices=devices)
-    inputs, pshard = cr.abstract_inputs(cfg, mesh, "serve", weights=args.weights, batch=args.batch, seq=args.seq,
-                                        context=args.context, engram_host=True)
-    ids = inputs[4]
-    fn = sh.step_function(cfg, mesh, "serve", tokens_shape=(args.batch, args.seq),
-                          ids_shape=None if ids is None else ids.shape, max_len=args.context,
-                          params_shardings=pshard, engram_host=True)
+    fn, inputs = cr.step_program(cfg, mesh, "serve", weights=args.weights, batch=args.batch, seq=args.seq,
+                                 context=args.context, engram_host=True)
     t0 = time.perf_counter()
     lowered = fn.trace(*inputs).lower()
     t1 = time.perf_counter()

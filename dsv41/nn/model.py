@@ -22,7 +22,7 @@ from dsv41.nn.engram import Engram
 from dsv41.nn.linear import Dense, param
 from dsv41.nn.norm import RMSNorm
 from dsv41.nn.policy import Policy
-from dsv41.plan import Stack, layer_plan, layer_stacks
+from dsv41.plan import Stack, engram_layers, layer_plan, layer_stacks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +182,7 @@ class Transformer(nnx.Module):
         self.streams = a.mhc.streams
         self.plan = plan  # per layer its own record (a stack's modules hold its first group's)
         self.num_layers = len(plan)
-        self.engram_layers = tuple(r.index for r in plan if r.engram)
+        self.engram_layers = engram_layers(cfg)
         self.embed = param(rngs, (a.vocab_size, a.hidden_size), ("vocab", "embed"), policy.param_dtype, policy.init_std)
         self.stacks = nnx.List([LayerStack(cfg, spec, tables, pools, policy=policy, rngs=rngs)
                                 for spec in layer_stacks(cfg)])
