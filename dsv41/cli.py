@@ -319,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from dsv41 import distributed
+
+    distributed.reserve_collective_threads()  # before the CPU client starts
     try:
         if getattr(args, "compiles", False):
             _use_compile_cache(args)

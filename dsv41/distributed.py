@@ -13,12 +13,31 @@ over `dsv41.sharding` that calls `initialize` first, as `tests/test_distributed.
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 
 from dsv41.errors import ConfigError
 
 ENV = {"coordinator": "DSV41_COORDINATOR", "num_processes": "DSV41_NUM_PROCESSES", "process_id": "DSV41_PROCESS_ID"}
+
+
+def reserve_collective_threads(environ=os.environ) -> dict:
+    """Sizes XLA:CPU's thread pools for simulated devices (`--xla_force_host_platform_device_count=N` in
+    XLA_FLAGS, N > 1): sets PJRT_NPROC, which the CPU client reads when it starts, to max(cores, 2N) unless
+    it is set. Returns what it set (empty when nothing).
+
+    The pools have max(cores, N) threads, and a collective holds a thread until every device of its group
+    arrives. XLA:CPU may start a loop that holds collectives beside an independent collective of the same
+    program, so with N threads one device can hold the loop's all-gather while the others hold the
+    all-reduce: no thread is left for either to finish, and the rendezvous aborts the process after 40 s
+    (seen once on 2 cores, `serve --mesh data=2,expert=4` on 8 devices). With 2N threads both fit."""
+    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", environ.get("XLA_FLAGS", ""))
+    devices = int(found[-1]) if found else 1
+    if devices < 2 or "PJRT_NPROC" in environ:
+        return {}
+    environ["PJRT_NPROC"] = str(max(os.cpu_count() or 1, 2 * devices))
+    return {"PJRT_NPROC": environ["PJRT_NPROC"]}
 
 
 def _env_int(field: str):

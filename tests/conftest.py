@@ -115,8 +115,11 @@ def run_on_devices(script: str, mode: str, devices: int = 8, xla_flags: str = ""
     import subprocess
     import sys
 
+    from dsv41 import distributed
+
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip(),
                JAX_PLATFORMS="cpu")
+    distributed.reserve_collective_threads(env)
     proc = subprocess.run([sys.executable, script, mode], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -57,8 +57,11 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_processes_decode_like_one(tmp_path):
+    from dsv41 import distributed
+
     coordinator = f"127.0.0.1:{_free_port()}"
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4 " + FAST_COMPILE, JAX_PLATFORMS="cpu")
+    distributed.reserve_collective_threads(env)  # XLA:CPU's pools for simulated devices
     # Output to files, not pipes: a worker blocked on a full pipe would stall the other at the shutdown barrier.
     logs = [(open(tmp_path / f"out{i}", "w"), open(tmp_path / f"err{i}", "w")) for i in range(2)]
     by_env = dict(env, DSV41_COORDINATOR=coordinator, DSV41_NUM_PROCESSES="2", DSV41_PROCESS_ID="1")
@@ -93,6 +96,33 @@ def test_two_processes_decode_like_one(tmp_path):
     # Each process held only its own rows (the batch is split over both hosts' devices).
     assert [r["process"] for r in results] == [0, 1]
     assert results[0]["addressable_rows"] != results[1]["addressable_rows"]
+
+
+def test_simulated_devices_get_two_pool_threads_each():
+    """`reserve_collective_threads` (called by the CLI and the tests' device subprocesses) sizes XLA:CPU's
+    pools to max(cores, 2N) for N simulated devices, and a started CPU client has that many Eigen threads
+    (without it: max(cores, N), the count at which two unordered collectives can hold every thread)."""
+    from dsv41 import distributed
+
+    flags = "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=8"
+    want = str(max(os.cpu_count(), 16))
+    assert distributed.reserve_collective_threads(env := {"XLA_FLAGS": flags}) == {"PJRT_NPROC": want}
+    assert env == {"XLA_FLAGS": flags, "PJRT_NPROC": want}
+    assert distributed.reserve_collective_threads(env := {"XLA_FLAGS": flags, "PJRT_NPROC": "3"}) == {}
+    assert env["PJRT_NPROC"] == "3"  # the user's choice stands
+    for flags in ("", "--xla_force_host_platform_device_count=1"):
+        assert distributed.reserve_collective_threads(env := {"XLA_FLAGS": flags}) == {} and "PJRT_NPROC" not in env
+    script = ("import os, jax, jax.numpy as jnp\n"
+              "from dsv41 import distributed\n"
+              "distributed.reserve_collective_threads()\n"
+              "jax.block_until_ready(jax.jit(lambda x: x @ x)(jnp.ones((64, 64))))\n"
+              "print(sum('XLAEigen' in open(f'/proc/self/task/{t}/comm').read() for t in os.listdir('/proc/self/task')))")
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_NPROC"}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", script], env=env, cwd=os.path.dirname(HERE), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) == max(os.cpu_count(), 16)
 
 
 if __name__ == "__main__":

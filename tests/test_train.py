@@ -336,7 +336,10 @@ def test_restore_onto_a_four_device_mesh(cfg, tmp_path):
         np.testing.assert_array_equal(np.asarray(state.opt_state[1][0].mu["embed"][...]), want["mu"])
         print("ok")
     """)
+    from dsv41 import distributed
+
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    distributed.reserve_collective_threads(env)  # XLA:CPU's pools for simulated devices
     out = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
