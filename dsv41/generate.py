@@ -1,10 +1,11 @@
 """Text generation over the inference cache (DESIGN §6, §11): chunked prefill, then the decode loop.
 
 `generate(params, cfg, prompt_ids, max_new_tokens=…)` returns the new ids of one prompt;
-`generate_batch` does the same for several prompts of different lengths at once. Greedy when
-temperature is 0, otherwise temperature sampling kept to the top-k ids and then to the nucleus (top-p),
-drawn with `jax.random`: row b draws step n from fold_in(fold_in(key(seed), b), n), so the same seed
-gives the same ids and a row's draws do not depend on the others.
+`generate_batch` does the same for several prompts of different lengths at once; `generate_from`
+continues from a cache already prefilled. Greedy when temperature is 0, otherwise temperature sampling
+kept to the top-k ids and then to the nucleus (top-p), drawn with `jax.random`: row b draws step n from
+fold_in(fold_in(key(seed), b), n), so the same seed gives the same ids and a row's draws do not depend
+on the others.
 
 Two decode loops, the same sampler: `loop="host"` dispatches one decode per token from Python (and can
 stream each id); `loop="device"` runs `lax.while_loop` over decode steps on the device, `block` tokens a
@@ -24,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsv41 import model as model_lib
-from dsv41.cache import init_cache
+from dsv41.cache import host_view, init_cache
 from dsv41.errors import ConfigError
-from dsv41.steps import bind, step_body
+from dsv41.steps import bind, capacity, step_body
 
 
 def generate(params, cfg, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -91,14 +92,47 @@ def _generate(params, cfg, prompts, *, max_new_tokens, temperature, top_p, top_k
         cache = init_cache(cfg, len(prompts), max_len)
         logits_BV, cache = prefill_chunked(params, cfg, cache, prompts, chunk=chunk, token_map=token_map,
                                            on_progress=on_prefill_progress)
-    b = len(prompts)
+    return _continue(params, cfg, cache, logits_BV, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, top_k=top_k, stop=stop, seed=seed, vocab_limit=vocab_limit, token_map=token_map,
+                     on_token=on_token, loop=loop, block=block)
+
+
+def generate_from(params, cfg, cache, logits_BV, *, max_new_tokens: int, temperature: float = 0.0,
+                  top_p: float = 1.0, top_k: int = 0, stop_tokens=(), seed: int = 0, vocab_limit: int | None = None,
+                  token_map=None, on_token=None, loop: str = "host", block: int = 32) -> list[list[int]]:
+    """`generate_batch`'s decode loop from a cache already prefilled (by `prefill`, `prefill_chunked`, a
+    prefix cache or a loop of your own): logits_BV [B, V] are the next-token logits the last step returned.
+    The same sampler, loops and arguments as `generate_batch`; on_token(row, id) as ids are drawn. The
+    cache is consumed (its buffers are donated to the steps). Each row's held tokens + max_new_tokens must
+    fit the cache and the context window."""
+    stop = _check_sampling(cfg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                           stop_tokens=stop_tokens, seed=seed, loop=loop, block=block, vocab_limit=vocab_limit)
+    held = host_view(cache).lengths
+    b = held.shape[0]
+    if getattr(logits_BV, "shape", None) != (b, cfg.architecture.vocab_size):
+        raise ValueError(f"logits_BV: shape {getattr(logits_BV, 'shape', None)}: expected ({b}, "
+                         f"{cfg.architecture.vocab_size}) (the cache's rows, the vocabulary)")
+    limit = min(capacity(cfg, cache), cfg.context_window)
+    if (held + max_new_tokens > limit).any():
+        row = int(np.argmax(held + max_new_tokens > limit))
+        raise ValueError(f"max_new_tokens: {max_new_tokens}: row {row} holds {int(held[row])} tokens; expected at "
+                         f"most {limit - int(held[row])} more (the cache's capacity / the context window: {limit})")
+    return _continue(params, cfg, cache, logits_BV, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, top_k=top_k, stop=set(stop), seed=seed, vocab_limit=vocab_limit,
+                     token_map=token_map, on_token=on_token, loop=loop, block=block)
+
+
+def _continue(params, cfg, cache, logits_BV, *, max_new_tokens, temperature, top_p, top_k, stop, seed, vocab_limit,
+              token_map, on_token, loop, block):
+    """The decode loop of `_generate` and `generate_from` (arguments checked)."""
+    b = logits_BV.shape[0]
     vocab = cfg.architecture.vocab_size if vocab_limit is None else vocab_limit
     rows = Sampling.of(b, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, vocab_limit=vocab,
                        max_new_tokens=max_new_tokens, stop_tokens=sorted(stop))
     if loop == "device":
         return _device_loop(params, cfg, cache, logits_BV, rows, block, on_token)
-    outputs = [[] for _ in prompts]
-    done = np.zeros(len(prompts), bool)
+    outputs = [[] for _ in range(b)]
+    done = np.zeros(b, bool)
     bound = bind(params, cfg)  # once for the loop (each free call flattens the parameters again)
     for step in range(max_new_tokens):
         tokens = np.asarray(sample_rows(logits_BV, rows, jnp.full((b,), step, jnp.int32)))
@@ -273,10 +307,24 @@ def check_request(cfg, prompts, *, max_new_tokens, temperature, top_p, stop_toke
         if not p:
             raise ValueError(f"{name}: []: expected at least one token")
         _check_ids(name, p, vocab)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens: {max_new_tokens!r}: expected a positive integer")
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
         raise ValueError(f"chunk: {chunk!r}: expected a positive integer")
+    stop = _check_sampling(cfg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                           stop_tokens=stop_tokens, seed=seed, loop=loop, block=block, vocab_limit=vocab_limit)
+    longest = max(map(len, prompts))
+    if longest + max_new_tokens > cfg.context_window:
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = "
+                         f"{longest + max_new_tokens}: expected at most the model's maximum context length "
+                         f"of {cfg.context_window} tokens (context_window)")
+    return stop
+
+
+def _check_sampling(cfg, *, max_new_tokens, temperature, top_p, top_k, stop_tokens, seed, loop, block,
+                    vocab_limit) -> list[int]:
+    """The checks of the decode loop's arguments (`check_request`); returns the stop tokens as a list."""
+    vocab = cfg.architecture.vocab_size
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens: {max_new_tokens!r}: expected a positive integer")
     if not temperature >= 0:
         raise ValueError(f"temperature: {temperature!r}: expected >= 0 (0 is greedy)")
     if not 0 < top_p <= 1:
@@ -298,11 +346,6 @@ def check_request(cfg, prompts, *, max_new_tokens, temperature, top_p, stop_toke
         raise ValueError(f"vocab_limit: {vocab_limit!r}: expected None or an integer in 1..{vocab} (vocab_size)")
     stop = list(stop_tokens)
     _check_ids("stop_tokens", stop, vocab)
-    longest = max(map(len, prompts))
-    if longest + max_new_tokens > cfg.context_window:
-        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} = "
-                         f"{longest + max_new_tokens}: expected at most the model's maximum context length "
-                         f"of {cfg.context_window} tokens (context_window)")
     return stop
 
 

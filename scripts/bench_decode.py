@@ -44,6 +44,7 @@ another core's worth of work runs); `--torch-threads 1` shows the difference.
     python scripts/bench_decode.py --impls hf-v4,dsv41-toy,dsv41-toy-ced,dsv41-tiny
     python scripts/bench_decode.py --dsv41-src /tmp/export   # a `git archive HEAD` export (stable code)
     python scripts/bench_decode.py --from-json out.json      # print a saved run's table again
+    python scripts/bench_decode.py --impls hf-v4,dsv41-v4 --contexts 8K --device-loop   # + the on-device loop
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ def worker_hf(ctx: int, steps: int, seed: int, threads: int | None, batch: int =
     return out
 
 
-def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int, batch: int = 1) -> dict:
+def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int, batch: int = 1,
+                 device_loop: bool = False) -> dict:
     import jax
     import numpy as np
 
@@ -255,6 +257,11 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int, batch: 
     partial(out, warmup_s=time.perf_counter() - t0,  # compile + one chunk + one decode step
             compile_s=sum(compile_events.values()),
             compile_breakdown_s={k.rsplit("/", 1)[1]: v for k, v in compile_events.items()})
+    if device_loop:  # compiles the on-device loop's block for these shapes (its own figure)
+        from dsv41 import generate as gen
+        before = sum(compile_events.values())
+        gen.generate_from(params, cfg, cache, logits, max_new_tokens=1, loop="device", block=steps + 1)  # same program
+        partial(out, compile_device_loop_s=sum(compile_events.values()) - before)
     del cache, logits
 
     # The steps bound once to the parameters and config, as a serving loop holds them (checkouts from
@@ -292,6 +299,29 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int, batch: 
     out["decode_tok_s"] = batch * steps / sum(times)
     out["decode_median_tok_s"] = batch / float(np.median(times))
     assert int(np.asarray(cache.lengths)[0]) == ctx + steps
+    if device_loop:
+        # The same prompt prefilled again (the host loop consumed the first cache), then the steps + 1 greedy
+        # tokens of the host loop drawn by `generate_from(loop="device")`: one lax.while_loop of steps + 1
+        # decode steps (the last runs with no live row) and the host reads the block once.
+        del cache, logits
+        cache = dsv41.init_cache(cfg, batch, max_len)
+        for start in range(0, ctx, chunk):
+            piece = tokens[:, start:start + chunk]
+            n = piece.shape[1]
+            if n < chunk:
+                piece = np.pad(piece, [(0, 0), (0, chunk - n)])
+            logits, cache = prefill(cache, piece, lengths=[n] * batch,
+                                    **({"final": start + chunk >= ctx} if ced else {}))
+        jax.block_until_ready((logits, cache))
+        from dsv41 import generate as gen
+        t0 = time.perf_counter()
+        drawn = gen.generate_from(params, cfg, cache, logits, max_new_tokens=steps + 1, loop="device",
+                                  block=steps + 1)
+        elapsed = time.perf_counter() - t0
+        out["decode_device_tok_s"] = batch * (steps + 1) / elapsed
+        out["greedy_device_same"] = drawn[0][:GREEDY_COMPARED] == out["greedy"]
+        out["compile_s_after_device_loop"] = sum(compile_events.values()) - out["compile_s"] - out[
+            "compile_device_loop_s"]  # 0: the timed loop compiled nothing
     return out
 
 
@@ -303,7 +333,8 @@ def worker_main(args) -> None:
     if args.impl == "hf-v4":
         out = worker_hf(args.ctx, args.decode_steps, args.seed, args.torch_threads, args.batch)
     else:
-        out = worker_dsv41(args.impl, args.ctx, args.decode_steps, args.seed, args.chunk, args.batch)
+        out = worker_dsv41(args.impl, args.ctx, args.decode_steps, args.seed, args.chunk, args.batch,
+                           args.device_loop)
     out["peak_self_gb"] = peak_rss_gb()
     print("RESULT " + json.dumps(out), flush=True)
 
@@ -328,7 +359,7 @@ def run_one(impl: str, ctx: int, args) -> dict:
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--ctx", str(ctx),
            "--decode-steps", str(args.decode_steps), "--seed", str(args.seed), "--chunk", str(args.chunk),
-           "--batch", str(args.batch)]
+           "--batch", str(args.batch)] + (["--device-loop"] if args.device_loop else [])
     if args.torch_threads:
         cmd += ["--torch-threads", str(args.torch_threads)]
     env = dict(os.environ, PYTHONPATH=str(args.dsv41_src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -404,7 +435,10 @@ def prefill_cell(row: dict | None) -> str:
 def decode_cell(row: dict | None) -> str:
     if row is None:
         return "-"
-    return f"{row['decode_tok_s']:.1f}" if "decode_tok_s" in row else row["status"]
+    if "decode_tok_s" not in row:
+        return row["status"]
+    device = f" / {row['decode_device_tok_s']:.0f}" if "decode_device_tok_s" in row else ""
+    return f"{row['decode_tok_s']:.1f}{device}"
 
 
 def fmt_ratio(v: float) -> str:
@@ -433,7 +467,8 @@ def decode_speedup(d: dict | None, h: dict | None) -> str:
     if d is None or h is None:
         return "-"
     if "decode_tok_s" in d and "decode_tok_s" in h:
-        return fmt_ratio(d["decode_tok_s"] / h["decode_tok_s"])
+        device = f" / {fmt_ratio(d['decode_device_tok_s'] / h['decode_tok_s'])}" if "decode_device_tok_s" in d else ""
+        return fmt_ratio(d["decode_tok_s"] / h["decode_tok_s"]) + device
     return "(" + (h["status"] if "decode_tok_s" not in h else d["status"]) + ")"
 
 
@@ -495,6 +530,10 @@ def print_table(rows: list[dict], contexts: list[int], impls: list[str], hw: dic
     print("      DeepSeek-V4.1 at a matched toy size (a different architecture: their ratios compare implementations).")
     print("      peak GB: RSS high-water mark of the measurement's own process (runtime + weights + activations + cache);")
     print("      compile s: dsv41's jit trace + lowering + XLA compile, outside the timed prefill / decode;")
+    if getattr(args, "device_loop", False):
+        print("      decode tok/s A / B (dsv41): A the host loop (one decode call per token), B the on-device loop")
+        print("      (generate_from, loop='device'); its compile is not in compile s; greedy: host loop's tokens;")
+        print("      device=: whether the device loop drew the same first greedy tokens.")
     print("      other load: average cores kept busy by other processes of the machine during the measurement.")
     print()
     head = (f"{'implementation':14s} {'context':>7s} {'prefill s':>10s} {'decode tok/s':>12s} {'peak GB':>8s} "
@@ -555,6 +594,8 @@ def print_table(rows: list[dict], contexts: list[int], impls: list[str], hw: dic
                 n = min(len(a or []), len(b or []))
                 common = next((i for i in range(n) if a[i] != b[i]), n)
                 agree = f" {'-':>8s}" if not n else f" {common:>3d}/{n:<4d}"
+                if "greedy_device_same" in d:
+                    agree += f" device={'same' if d['greedy_device_same'] else 'DIFFERENT'}"
             print(f"{fmt_context(ctx):>7s} {prefill_speedup(d, h):>16s} "
                   f"{decode_speedup(d, h):>15s} {mem:>18s}{agree}")
     if notes:
@@ -592,6 +633,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=1,
                    help="rows decoded together (default 1); tokens/s counts every row, greedy compares row 0")
+    p.add_argument("--device-loop", action="store_true",
+                   help="also time dsv41's on-device decode loop (generate_from, loop='device') over the same greedy\n"
+                        "tokens, from a second prefill of the prompt (compiled in the warm-up; peak memory unchanged)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", help=argparse.SUPPRESS)
     p.add_argument("--ctx", type=int, help=argparse.SUPPRESS)

@@ -169,6 +169,21 @@ def test_a_fixed_capacity_gives_the_same_tokens_and_a_short_one_is_refused(model
         run(max_len=8)
 
 
+def test_generation_continues_from_a_prefilled_cache(model):
+    """`generate_from` after a prefill of the user's own: the teacher-forced greedy tokens over `forward`;
+    more tokens than the cache can hold and logits of the wrong shape are refused, naming the argument."""
+    params, cfg = model
+    prefilled = lambda: gen.prefill_chunked(params, cfg, dsv41.init_cache(cfg, 1, len(PROMPT) + NEW), [PROMPT],
+                                            chunk=1)
+    logits, cache = prefilled()
+    assert gen.generate_from(params, cfg, cache, logits, max_new_tokens=NEW) == [forward_greedy(*model, PROMPT, NEW)]
+    logits, cache = prefilled()
+    with pytest.raises(ValueError, match=r"max_new_tokens: 9: row 0 holds 2 tokens; expected at most \d+ more"):
+        gen.generate_from(params, cfg, cache, logits, max_new_tokens=9)
+    with pytest.raises(ValueError, match=r"logits_BV: shape \(2, \d+\): expected \(1, \d+\)"):
+        gen.generate_from(params, cfg, cache, np.zeros((2, cfg.architecture.vocab_size)), max_new_tokens=1)
+
+
 @pytest.mark.slow
 def test_the_device_loop_updates_the_cache_in_place(model):
     """The compiled block of decode steps holds no copy of a cache store: a whole-cache copy per step (as a
