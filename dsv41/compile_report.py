@@ -118,6 +118,43 @@ def collective_bytes(hlo_text: str) -> dict:
     return {k: {"ops": count[k], "bytes": out[k]} for k in COLLECTIVES if count[k]}
 
 
+_NARROW = ("f8e4m3fn", "f8e5m2", "f4e2m1fn", "s4", "u4")
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \((.*)\) -> (.*) \{$")
+
+
+def weight_copies(hlo_text: str, min_bytes: int = 4096) -> dict:
+    """Fusions of the compiled (per-device) HLO that only widen an FP8 / FP4 array into a copy of at least
+    `min_bytes` (a convert, with slicing and layout changes, and nothing else: no dot, reduction or call): the
+    weight copies a matmul that cannot read the narrow format (a custom kernel) makes each time it runs.
+    Returns {"ops": call sites, "bytes": their outputs' bytes} (a loop body's once)."""
+    widening, comp, params, ops = set(), None, "", []
+
+    def close():
+        if comp and any(t in params for t in _NARROW) and "convert" in ops and not any(
+                op in ops for op in ("dot", "convolution", "reduce", "custom-call", "call", "scatter", "gather")):
+            widening.add(comp)
+
+    for line in hlo_text.splitlines():
+        m = _HEADER.match(line)
+        if m:
+            close()
+            comp, params, ops = m.group(1), m.group(2), []
+        elif comp and " = " in line:
+            op = re.search(r"\s([a-z][\w\-]*)\(", line.split(" = ", 1)[1])
+            if op:
+                ops.append(op.group(1))
+    close()
+    count, total = 0, 0
+    call = re.compile(r"=\s*(\w+)\[([\d,]*)\][^ ]*\s+fusion\(.*calls=%([\w.\-]+)")
+    for line in hlo_text.splitlines():
+        m = call.search(line)
+        if m and m.group(3) in widening and m.group(1) in _BYTES and _BYTES[m.group(1)] > 1:
+            size = _BYTES[m.group(1)] * math.prod(int(d) for d in m.group(2).split(",") if d)
+            if size >= min_bytes:
+                count, total = count + 1, total + size
+    return {"ops": count, "bytes": total}
+
+
 def step_program(cfg, mesh, rules, *, weights: str, batch: int, seq: int, context: int, engram_host: bool):
     """(the jitted step, its abstract arguments) as the report compiles them: `fn.trace(*args).lower()`."""
     args, pshard = abstract_inputs(cfg, mesh, rules, weights=weights, batch=batch, seq=seq, context=context,
@@ -179,7 +216,11 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
         "flops_per_chip": flops,  # the step's FLOPs shared evenly over the chips
         "flops_per_token": per_token,
         "collectives_per_chip": collective_bytes(hlo),
-        "pallas_kernels": hlo.count("custom_call_target=\"tpu_custom_call\""),  # Mosaic kernels in the program
+        "weight_copies_per_chip": weight_copies(hlo),
+        # Pallas kernels in the program (Mosaic custom calls from a pallas_call; XLA's own ragged-dot kernels
+        # are Mosaic custom calls too, and not counted)
+        "pallas_kernels": sum('custom_call_target="tpu_custom_call"' in line and "pallas_call" in line
+                              for line in hlo.splitlines()),
     }
 
 
@@ -314,6 +355,9 @@ def format_report(r: dict) -> str:
                   f"  XLA FLOPs per token: {s['flops_per_token']:.4g} ({s['flops_per_chip']:.4g} per chip per step)"]
         for k, v in s["collectives_per_chip"].items():
             lines.append(f"  {k}: {v['ops']} ops, {v['bytes'] / 2**20:.1f} MiB per chip")
+        w = s.get("weight_copies_per_chip", {"ops": 0})
+        lines.append(f"  FP8/FP4 arrays widened into copies of 4 KiB or more: {w['ops']} ops"
+                     + (f", {g(w['bytes'])} per chip (loop bodies once)" if w["ops"] else ""))
     if r.get("context_sweep"):
         lines.append("decode FLOPs per token by context (lowered on one device; pool gather vs score everything):")
     for p in r.get("context_sweep", []):

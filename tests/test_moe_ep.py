@@ -181,7 +181,8 @@ if __name__ == "__main__":
 def test_expert_forms_equal_float64_numpy():
     """Every form of the routed experts — ragged_dot (TPU/GPU), dense over the held experts (CPU) and one
     matmul per pick (FLOP counting) — equals a float64 NumPy sum over each token's picks; a pick naming an
-    expert held elsewhere (id == G) contributes nothing. On CPU a one-token step takes the dense form."""
+    expert held elsewhere (id == G) contributes nothing. On CPU a one-token step takes the dense form, on
+    every platform one whose expert group holds few tokens."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -207,6 +208,10 @@ def test_expert_forms_equal_float64_numpy():
     policy = Policy(jnp.float32, jnp.float32)
     cpu = jax.default_backend() == "cpu"
     assert [moe.expert_form(policy, s) for s in (1, 2, None)] == ["dense" if cpu else "ragged", "ragged", "ragged"]
+    # A one-token step whose expert group holds at most DENSE_DECODE_TOKENS tokens is dense on every platform.
+    few, many = moe.DENSE_DECODE_TOKENS, moe.DENSE_DECODE_TOKENS + 1
+    assert [moe.expert_form(policy, 1, few), moe.expert_form(policy, 1, many), moe.expert_form(policy, 2, few)] == [
+        "dense", "dense" if cpu else "ragged", "ragged"]
     assert moe.expert_form(Policy(jnp.float32, jnp.float32, lowering=FLOP_COUNTING)) == "per_pick"
     for form in ("ragged", "dense", "per_pick"):
         with jax.default_matmul_precision("highest"):
