@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from dsv41 import config as config_lib
 from dsv41 import model as model_lib
 from dsv41 import sharding as sh
+from dsv41.nn import moe, policy as policy_lib
 from dsv41.cache import abstract_cache
 from dsv41.errors import ConfigError
 
@@ -155,6 +156,14 @@ def weight_copies(hlo_text: str, min_bytes: int = 4096) -> dict:
     return {"ops": count, "bytes": total}
 
 
+def _expert_form(cfg, mesh, rules, tokens: int, seq: int) -> dict:
+    """How the compiled step runs its routed experts (`moe.expert_form` on the mesh's platform)."""
+    layout = sh.expert_layout(cfg, mesh, rules)
+    group = moe.group_tokens(layout, tokens)
+    policy = policy_lib.from_config(cfg, sh.lowering_for(cfg, mesh, rules))
+    return {"form": moe.expert_form(policy, seq, group), "group_tokens": group}
+
+
 def step_program(cfg, mesh, rules, *, weights: str, batch: int, seq: int, context: int, engram_host: bool):
     """(the jitted step, its abstract arguments) as the report compiles them: `fn.trace(*args).lower()`."""
     args, pshard = abstract_inputs(cfg, mesh, rules, weights=weights, batch=batch, seq=seq, context=context,
@@ -217,6 +226,7 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
         "flops_per_token": per_token,
         "collectives_per_chip": collective_bytes(hlo),
         "weight_copies_per_chip": weight_copies(hlo),
+        "experts": _expert_form(cfg, mesh, rules, batch * seq, seq),
         # Pallas kernels in the program (Mosaic custom calls from a pallas_call; XLA's own ragged-dot kernels
         # are Mosaic custom calls too, and not counted)
         "pallas_kernels": sum('custom_call_target="tpu_custom_call"' in line and "pallas_call" in line
@@ -352,7 +362,13 @@ def format_report(r: dict) -> str:
                   f"cache {g(m['cache'])}), temporaries {g(m['temporaries'])}, total {g(m['total'])} of {hbm} HBM"
                   f"{'' if m['fits'] is None else (' — fits' if m['fits'] else ' — DOES NOT FIT')}",
                   f"  Engram tables in host memory: {g(m['engram_host'])} per chip",
-                  f"  XLA FLOPs per token: {s['flops_per_token']:.4g} ({s['flops_per_chip']:.4g} per chip per step)"]
+                  f"  XLA FLOPs per token: {s['flops_per_token']:.4g} ({s['flops_per_chip']:.4g} per chip per step), "
+                  "counted with one matmul per expert pick"]
+        if "experts" in s:
+            e = s["experts"]
+            lines.append(f"  routed experts: {e['form']} ({e['group_tokens']} tokens per expert group"
+                         + ("; every held expert over them: more arithmetic than counted, fewer bytes)"
+                            if e["form"] == "dense" else ")"))
         for k, v in s["collectives_per_chip"].items():
             lines.append(f"  {k}: {v['ops']} ops, {v['bytes'] / 2**20:.1f} MiB per chip")
         w = s.get("weight_copies_per_chip", {"ops": 0})

@@ -137,6 +137,7 @@ def _pallas_check():
     # Decode runs the experts dense (few tokens per expert group): no bf16 copy of an FP8 weight, where
     # ragged_dot's TPU kernel had 12 here (2 experts x 3 matrices x 2 stacks per chip, 8 KiB each).
     assert d["weight_copies_per_chip"] == {"ops": 0, "bytes": 0}
+    assert d["experts"] == {"form": "dense", "group_tokens": 8}    # batch 8, every chip on `expert`
 
 
 if __name__ == "__main__":
