@@ -158,9 +158,8 @@ def weight_copies(hlo_text: str, min_bytes: int = 4096) -> dict:
 
 def _expert_form(cfg, mesh, rules, tokens: int, seq: int) -> dict:
     """How the compiled step runs its routed experts (`moe.expert_form` on the mesh's platform)."""
-    layout = sh.expert_layout(cfg, mesh, rules)
-    group = moe.group_tokens(layout, tokens)
     policy = policy_lib.from_config(cfg, sh.lowering_for(cfg, mesh, rules))
+    group = moe.group_tokens(policy.lowering.layout, tokens)
     return {"form": moe.expert_form(policy, seq, group), "group_tokens": group}
 
 

@@ -270,20 +270,29 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int, batch: 
     prefill = bound.prefill if bound else lambda *a, **k: dsv41.prefill(params, cfg, *a, **k)
     decode = bound.decode if bound else lambda *a, **k: dsv41.decode(params, cfg, *a, **k)
     partial(out, bound_steps=bound is not None)
-    cache = dsv41.init_cache(cfg, batch, max_len)
-    jax.block_until_ready(cache)
+
+    def prefill_prompt(cache, on_chunk=None):
+        """The prompt through an empty cache in chunks of the compiled shape [batch, chunk] (the last one
+        padded): (logits, cache); on_chunk(cache, tokens so far) after each chunk."""
+        for start in range(0, ctx, chunk):
+            piece = tokens[:, start:start + chunk]
+            n = piece.shape[1]
+            if n < chunk:
+                piece = np.pad(piece, [(0, 0), (0, chunk - n)])
+            logits, cache = prefill(cache, piece, lengths=[n] * batch,
+                                    **({"final": start + chunk >= ctx} if ced else {}))
+            if on_chunk is not None:
+                on_chunk(cache, start + n)
+        return jax.block_until_ready((logits, cache))
+
+    def progress(cache, done):
+        jax.block_until_ready(cache.lengths)
+        partial(out, prefilled_tokens=done, prefill_elapsed_s=time.perf_counter() - t0)
+
+    cache = jax.block_until_ready(dsv41.init_cache(cfg, batch, max_len))
     partial(out, prefill_start_epoch=time.time())
     t0 = time.perf_counter()
-    for start in range(0, ctx, chunk):  # every chunk has the compiled shape [1, chunk]; the last is padded
-        piece = tokens[:, start:start + chunk]
-        n = piece.shape[1]
-        if n < chunk:
-            piece = np.pad(piece, [(0, 0), (0, chunk - n)])
-        last = start + chunk >= ctx
-        logits, cache = prefill(cache, piece, lengths=[n] * batch, **({"final": last} if ced else {}))
-        jax.block_until_ready(cache.lengths)
-        partial(out, prefilled_tokens=start + n, prefill_elapsed_s=time.perf_counter() - t0)
-    jax.block_until_ready((logits, cache))
+    logits, cache = prefill_prompt(cache, progress)
     partial(out, prefill_s=time.perf_counter() - t0, rss_after_prefill_gb=rss_gb(),
             compile_s_after_warmup=sum(compile_events.values()) - out["compile_s"])  # 0: no recompilation
     nxt = np.asarray(logits).argmax(-1)
@@ -304,15 +313,7 @@ def worker_dsv41(impl: str, ctx: int, steps: int, seed: int, chunk: int, batch: 
         # tokens of the host loop drawn by `generate_from(loop="device")`: one lax.while_loop of steps + 1
         # decode steps (the last runs with no live row) and the host reads the block once.
         del cache, logits
-        cache = dsv41.init_cache(cfg, batch, max_len)
-        for start in range(0, ctx, chunk):
-            piece = tokens[:, start:start + chunk]
-            n = piece.shape[1]
-            if n < chunk:
-                piece = np.pad(piece, [(0, 0), (0, chunk - n)])
-            logits, cache = prefill(cache, piece, lengths=[n] * batch,
-                                    **({"final": start + chunk >= ctx} if ced else {}))
-        jax.block_until_ready((logits, cache))
+        logits, cache = prefill_prompt(jax.block_until_ready(dsv41.init_cache(cfg, batch, max_len)))
         from dsv41 import generate as gen
         t0 = time.perf_counter()
         drawn = gen.generate_from(params, cfg, cache, logits, max_new_tokens=steps + 1, loop="device",
