@@ -23,6 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from dsv41 import config as config_lib
+from dsv41 import hlo_cost
 from dsv41 import model as model_lib
 from dsv41 import sharding as sh
 from dsv41.nn import moe, policy as policy_lib
@@ -173,8 +174,10 @@ def step_program(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
     return fn, args
 
 
-def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, context: int, engram_host: bool) -> dict:
-    """AOT-compiles one step (seq = 1: decode; seq > 1: a prefill chunk) and measures it."""
+def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, context: int, engram_host: bool,
+                 breakdown: int = 0) -> dict:
+    """AOT-compiles one step (seq = 1: decode; seq > 1: a prefill chunk) and measures it. breakdown: list that
+    many of the compiled step's costliest named scopes and instructions (`hlo_cost.breakdown`)."""
     fn, args = step_program(cfg, mesh, rules, weights=weights, batch=batch, seq=seq, context=context,
                             engram_host=engram_host)
     t0 = time.perf_counter()
@@ -216,7 +219,11 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
     memory["engram_host"] = _leaf_bytes(args[0], host=True)
     memory["host_arguments"] = int(getattr(mem, "host_argument_size_in_bytes", 0))
     memory["host_temporaries"] = int(getattr(mem, "host_temp_size_in_bytes", 0))
-    return {
+    program = hlo_cost.Program(hlo)
+    accessed = program.totals()
+    # A step's floor: read every parameter on the chip and its cache once (the decode roofline).
+    roofline = memory["params_on_device"] + memory["cache"]
+    out = {
         "seq": seq,
         "lower_s": round(t1 - t0, 2),
         "compile_s": round(t2 - t1, 2),
@@ -230,7 +237,16 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
         # are Mosaic custom calls too, and not counted)
         "pallas_kernels": sum('custom_call_target="tpu_custom_call"' in line and "pallas_call" in line
                               for line in hlo.splitlines()),
+        # HBM bytes per chip per step read from the compiled program, every loop body times its trip count
+        # (XLA's own cost analysis counts each once); loops whose trip count is computed at run time (the
+        # filled-length indexer tiles) are counted once.
+        "bytes_per_chip": {"accessed": accessed["bytes"], "roofline": roofline,
+                           "ratio": accessed["bytes"] / roofline if roofline else None,
+                           "loops_counted_once": accessed["unknown_trip_counts"]},
     }
+    if breakdown:
+        out["breakdown"] = hlo_cost.breakdown(program, top=breakdown)
+    return out
 
 
 def lowered_flops_per_token(cfg, *, batch: int, context: int, weights: str, seq: int = 1) -> float:
@@ -275,11 +291,12 @@ def context_sweep(cfg, contexts, batch: int, weights: str) -> list[dict]:
 
 def compile_report(cfg, topology: str, batch: int, context: int, weights: str = "fp8", *, mesh: dict | None = None,
                    rules="serve", prefill_chunk: int = 0, engram_host: bool = True, kernels: str = "reference",
-                   sweep=()) -> dict:
+                   sweep=(), breakdown: int = 0) -> dict:
     """Compiles full-size decode (and a prefill chunk of `prefill_chunk` tokens if > 0) for a TPU topology.
 
     mesh: axis sizes over the topology's chips (default: every chip on `expert`). sweep: contexts whose
-    decode FLOPs are reported relative to 4096 tokens (4096 is added). Returns a JSON-ready dict.
+    decode FLOPs are reported relative to 4096 tokens (4096 is added). breakdown: list that many of each
+    step's costliest named scopes and instructions. Returns a JSON-ready dict.
     """
     devices = topology_devices(topology)
     shape = mesh or {"expert": len(devices)}
@@ -289,10 +306,10 @@ def compile_report(cfg, topology: str, batch: int, context: int, weights: str = 
            "mesh": dict(shape), "rules": rules if isinstance(rules, str) else "custom", "weights": weights,
            "batch": batch, "context": context, "kernels": kernels, "engram_in_host_memory": engram_host}
     out["decode"] = compile_step(cfg, m, rules, weights=weights, batch=batch, seq=1, context=context,
-                                 engram_host=engram_host)
+                                 engram_host=engram_host, breakdown=breakdown)
     if prefill_chunk:
         out["prefill"] = compile_step(cfg, m, rules, weights=weights, batch=batch, seq=prefill_chunk,
-                                      context=context, engram_host=engram_host)
+                                      context=context, engram_host=engram_host, breakdown=breakdown)
     if sweep:
         out["context_sweep"] = context_sweep(cfg, sorted({4096, *sweep}), batch, weights)
     return out
@@ -318,6 +335,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="attention/indexer path compiled (default: the XLA reference path)")
     p.add_argument("--engram-on-device", action="store_true", help="keep Engram tables in HBM instead of host memory")
     p.add_argument("--sweep-context", default="", help="comma-separated contexts: decode FLOPs relative to 4K, with the pool gather and scoring everything")
+    p.add_argument("--breakdown", type=int, nargs="?", const=12, default=0, metavar="N",
+                   help="list each step's N costliest named scopes and instructions by bytes and FLOPs (default 12)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
     return p
@@ -334,7 +353,7 @@ def run(args) -> int:
     r = compile_report(cfg, args.topology, args.batch, args.context, args.weights,
                        mesh=sh.parse_mesh(args.mesh) if args.mesh else None, rules=args.rules,
                        prefill_chunk=args.prefill_chunk, engram_host=not args.engram_on_device,
-                       kernels=args.kernels, sweep=sweep)
+                       kernels=args.kernels, sweep=sweep, breakdown=args.breakdown)
     if args.json:
         print(json.dumps(r))
         return 0
@@ -370,9 +389,16 @@ def format_report(r: dict) -> str:
                             if e["form"] == "dense" else ")"))
         for k, v in s["collectives_per_chip"].items():
             lines.append(f"  {k}: {v['ops']} ops, {v['bytes'] / 2**20:.1f} MiB per chip")
+        b = s["bytes_per_chip"]
+        once = f"; {b['loops_counted_once']} loops bound at run time counted once" if b["loops_counted_once"] else ""
+        lines.append(f"  HBM bytes per step: {b['accessed'] / 1e9:.2f} GB per chip (loop bodies times their trip counts"
+                     f"{once}), {b['ratio']:.2f}× the roofline of {b['roofline'] / 1e9:.2f} GB (params + cache once)")
         w = s.get("weight_copies_per_chip", {"ops": 0})
         lines.append(f"  FP8/FP4 arrays widened into copies of 4 KiB or more: {w['ops']} ops"
                      + (f", {g(w['bytes'])} per chip (loop bodies once)" if w["ops"] else ""))
+    for kind in ("decode", "prefill"):
+        if r.get(kind, {}).get("breakdown"):
+            lines += format_breakdown(kind, r[kind]["breakdown"])
     if r.get("context_sweep"):
         lines.append("decode FLOPs per token by context (lowered on one device; pool gather vs score everything):")
     for p in r.get("context_sweep", []):
@@ -380,6 +406,17 @@ def format_report(r: dict) -> str:
                      f"score everything {p['score_everything_flops_per_token']:.4g} "
                      f"({p['score_everything_relative_to_4k']:.3f}× of 4K)")
     return "\n".join(lines)
+
+
+def format_breakdown(kind: str, b: dict) -> list[str]:
+    lines = [f"{kind}: where the bytes and FLOPs go (per chip per step; named scopes, loop bodies × trip counts)"]
+    lines += [f"  {r['bytes'] / 1e9:9.3f} GB {r['flops'] / 1e9:11.2f} GFLOP  {r['scope']}"
+              for r in b["by_scope"][:len(b["top_bytes"])]]
+    for title, key in (("instructions by bytes", "top_bytes"), ("instructions by FLOPs", "top_flops")):
+        lines.append(f"  {title}:")
+        lines += [f"    {r['bytes'] / 1e9:9.3f} GB {r['flops'] / 1e9:11.2f} GFLOP  ×{r['count']:<4} {r['op']} "
+                  f"{r['shape']}  {r['scope']}{'/' + r['primitive'] if r['primitive'] else ''}" for r in b[key]]
+    return lines
 
 
 def main(argv=None) -> int:

@@ -23,16 +23,18 @@ import re
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
           "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25,
           "token": 0}
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?")
+_HOST = "S(5)"  # a layout's memory space 5: host memory, not the chip's HBM
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\)\s*->\s*.*)?\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+_FREE = {"custom-call-done", "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "while", "call", "conditional", "opt-barrier", "add-dependency", "copy-start", "copy-done",
          "all-gather-done", "all-reduce-done", "collective-permute-done", "async-done", "send-done", "recv-done",
          "get-dimension-size", "domain"}
 _SLICING = {"dynamic-slice", "slice", "gather"}
+_TRANSPARENT = {"copy", "bitcast", "convert", "reshape", "transpose", "bitcast-convert"}  # element for element
 _IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}  # opcode: the operand holding the update (scatter: its last)
 
 
@@ -46,10 +48,15 @@ def element_bytes(dtype: str) -> float:
     return _BYTES[dtype]
 
 
-def shape_bytes(shape: str) -> float:
-    """Bytes of an HLO shape (an array, or a tuple of them: their sum)."""
+def shape_bytes(shape: str, host: bool = False) -> float:
+    """Bytes of an HLO shape (an array, or a tuple of them: their sum): those in the chip's memory, or with
+    `host` those whose layout puts them in host memory."""
     return sum(element_bytes(t) * math.prod(int(d) for d in dims.split(",") if d)
-               for t, dims in _ARRAY.findall(shape))
+               for t, dims, layout in _ARRAY.findall(shape) if (_HOST in layout) == host)
+
+
+def _elements(shape: str) -> int:
+    return sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims, _ in _ARRAY.findall(shape))
 
 
 def dims_of(shape: str) -> list[int]:
@@ -125,7 +132,8 @@ def _parse_instr(line: str) -> Instr | None:
         return None
     opcode = rest[:paren].strip()
     close = _balanced(rest, paren)
-    operands = [p.split()[-1].lstrip("%") for p in _split_top(rest[paren + 1:close - 1]) if p]
+    inside = re.sub(r"/\*.*?\*/", "", rest[paren + 1:close - 1])  # the printer's /*index=5*/ comments
+    operands = [p.split()[-1].lstrip("%") for p in _split_top(inside) if p]
     return Instr(name, shape, opcode, operands, rest[close:], root)
 
 
@@ -142,7 +150,7 @@ def parse(hlo_text: str) -> tuple[dict[str, list[Instr]], str]:
                 if m.group(1):
                     entry = current
             continue
-        if line.strip() == "}":
+        if line.startswith("}"):
             current = None
             continue
         ins = _parse_instr(line)
@@ -174,6 +182,13 @@ class Op:
         return self.bytes * self.count
 
 
+def _int_constant(ins: Instr) -> int | None:
+    """The value of an integer scalar constant instruction, else None."""
+    if ins.opcode != "constant" or not re.match(r"[su]\d+\[\]", ins.shape) or not ins.operands:
+        return None
+    return int(ins.operands[0]) if re.fullmatch(r"-?\d+", ins.operands[0]) else None
+
+
 def dot_flops_of(ins: Instr, shapes: dict[str, str]) -> float:
     """2 · output elements · contracted size of a dot or convolution (0 for anything else)."""
     out = math.prod(dims_of(ins.shape))
@@ -182,11 +197,19 @@ def dot_flops_of(ins: Instr, shapes: dict[str, str]) -> float:
         contracting = ins.attr("lhs_contracting_dims") or "{}"
         return 2.0 * out * math.prod(lhs[int(c)] for c in contracting.strip("{}").split(",") if c)
     if ins.opcode == "convolution":
+        # Each output element meets the kernel's input features at every window tap that lands on data: with
+        # lhs_dilate d over a window of size k, ceil(k / d) of them (TPU writes a batched matmul as a
+        # convolution whose window of G taps meets one: size=G, lhs_dilate=G).
         rhs = dims_of(shapes[ins.operands[1]])
         labels = ins.attr("dim_labels") or ""
         kernel = labels.split("_")[1].split("->")[0] if "_" in labels else ""
-        o = kernel.find("o")
-        return 2.0 * out * math.prod(rhs) / (rhs[o] if 0 <= o < len(rhs) else 1)
+        i = kernel.find("i")
+        window = re.search(r"window=\{([^}]*)\}", ins.attrs)
+        fields = dict(f.split("=", 1) for f in window.group(1).split()) if window else {}
+        sizes = [int(v) for v in fields.get("size", "").split("x") if v]
+        dilate = [int(v) for v in fields.get("lhs_dilate", "").split("x") if v] or [1] * len(sizes)
+        taps = math.prod(-(-k // d) for k, d in zip(sizes, dilate))
+        return 2.0 * out * (rhs[i] if 0 <= i < len(rhs) else 1) * taps
     return 0.0
 
 
@@ -201,21 +224,39 @@ class Program:
     def _shapes(self, comp: str) -> dict[str, str]:
         return {i.name: i.shape for i in self.computations[comp]}
 
-    def trip_count(self, ins: Instr) -> int | None:
+    def trip_count(self, ins: Instr, defined: dict[str, Instr]) -> int | None:
+        """How many times a `while` instruction (of the computation whose instructions are `defined`) runs its
+        body, where the program says: None for a loop whose bound is computed at run time."""
         m = _TRIP.search(ins.attrs)
         if m:
             return int(m.group(1))
-        cond = self.computations.get((ins.attr("condition") or "").lstrip("%"), [])
-        bounds = {int(i.operands[0]) for i in cond if i.opcode == "constant" and re.fullmatch(r"[su]\d+\[\]", i.shape)
-                  and i.operands and re.fullmatch(r"-?\d+", i.operands[0])}
-        return bounds.pop() if len(bounds) == 1 else None
+        # A scan's condition: compare(counter, bound), direction=LT, the counter a tuple element starting at a
+        # constant of the loop's initial tuple (0 for a scan).
+        cond = {i.name: i for i in self.computations.get((ins.attr("condition") or "").lstrip("%"), [])}
+        root = next((i for i in cond.values() if i.root), None)
+        if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
+            return None
+        counter, bound = (cond.get(o) for o in root.operands)
+        if bound is None or counter is None or counter.opcode != "get-tuple-element":
+            return None
+        end = _int_constant(bound)
+        start = 0
+        init = defined.get(ins.operands[0]) if ins.operands else None
+        index = int(counter.attr("index") or 0)
+        if init is not None and init.opcode == "tuple" and index < len(init.operands):
+            first = defined.get(init.operands[index])
+            while first is not None and first.opcode in ("copy", "bitcast") and first.operands:
+                first = defined.get(first.operands[0])
+            start = _int_constant(first) if first is not None else None
+        return None if end is None or start is None else max(end - start, 0)
 
     def _walk(self, comp: str, count: int) -> list[Op]:
         shapes = self._shapes(comp)
+        defined = {i.name: i for i in self.computations[comp]}
         ops: list[Op] = []
         for ins in self.computations[comp]:
             if ins.opcode == "while":
-                trips = self.trip_count(ins)
+                trips = self.trip_count(ins, defined)
                 if trips is None:
                     self.unknown_trip_counts += 1
                     trips = 1
@@ -264,19 +305,40 @@ class Program:
             update = root.operands[-1] if root.opcode == "scatter" else root.operands[1]
             written = shape_bytes(inner_shapes[update])
         read = 0.0
-        for pname, index in params.items():
-            if pname == in_place:
-                continue
-            users = [i for i in inner if pname in i.operands]
-            if users and all(u.opcode in _SLICING and u.operands[0] == pname for u in users):
-                read += sum(shape_bytes(u.shape) for u in users)
-            elif index < len(ins.operands) and ins.operands[index] in shapes:
-                read += shape_bytes(shapes[ins.operands[index]])
-            else:
-                read += shape_bytes(inner_shapes[pname])
+        for pname in params:
+            if pname != in_place:
+                read += self._param_read(body, pname)
         if in_place is not None:
             read += written
         return Op(comp, ins.name, "fusion", ins.shape, scope, flops, read + written, count)
+
+    def _param_read(self, comp: str, pname: str) -> float:
+        """Bytes a fused computation reads of its parameter `pname`: what its slices read where the parameter
+        is only sliced (after layout copies, bitcasts and converts, also inside nested fusions), else all of it."""
+        shape = next(i.shape for i in self.computations[comp] if i.name == pname)
+        read = self._elements_read(comp, pname)
+        whole = _elements(shape)
+        return shape_bytes(shape) * (min(read, whole) / whole if whole else 0.0)
+
+    def _elements_read(self, comp: str, name: str) -> float:
+        inner = self.computations[comp]
+        whole = _elements(next(i.shape for i in inner if i.name == name))
+        total = 0.0
+        for u in (i for i in inner if name in i.operands):
+            if u.opcode in _SLICING and u.operands[0] == name and name not in u.operands[1:]:
+                total += _elements(u.shape)
+            elif u.opcode in _TRANSPARENT or (u.opcode == "fusion" and len(u.operands) == 1
+                                              and "kind=kLoop" in u.attrs):
+                total += self._elements_read(comp, u.name)  # an elementwise copy: read as much as it is
+            elif u.opcode == "fusion" and u.operands.count(name) == 1:
+                nested = u.attr("calls").lstrip("%")
+                index = str(u.operands.index(name))
+                param = next((i.name for i in self.computations[nested]
+                              if i.opcode == "parameter" and i.operands and i.operands[0] == index), None)
+                total += whole if param is None else self._elements_read(nested, param)
+            else:
+                return whole
+        return total
 
     def totals(self) -> dict:
         return {"flops": sum(o.total_flops for o in self.ops), "bytes": sum(o.total_bytes for o in self.ops),
@@ -286,3 +348,35 @@ class Program:
 def dot_flops(hlo_text: str) -> float:
     """The FLOPs of every dot and convolution in an HLO module's text, loop bodies times their trip count."""
     return Program(hlo_text).totals()["flops"]
+
+
+_PLUMBING = re.compile(r"^(jit\(.*\)|pjit|while|body|cond|closed_call|shard_map|checkpoint|remat\w*|"
+                       r"branch_\d+_fun|switch|vmap\(.*\)|transpose\(.*\))$")
+
+
+def scope_of(op_name: str) -> str:
+    """The named scopes of an instruction's `op_name` ("layers 3,4 reuse/attention/indexer"): the
+    transformations' own components (jit, while/body, closed_call, shard_map, …) and the primitive dropped."""
+    parts = [p for p in op_name.split("/")[:-1] if p and not _PLUMBING.match(p)]
+    return "/".join(parts)
+
+
+def breakdown(program: Program, top: int = 12) -> dict:
+    """Where a compiled program's bytes and FLOPs go: totals, per named scope (descending bytes), and the
+    `top` instructions by bytes and by FLOPs (each with its execution count and scope)."""
+    scopes: dict[str, list[float]] = {}
+    for o in program.ops:
+        s = scopes.setdefault(scope_of(o.scope) or "(no scope)", [0.0, 0.0])
+        s[0] += o.total_bytes
+        s[1] += o.total_flops
+
+    def row(o: Op) -> dict:
+        return {"op": o.opcode, "shape": re.sub(r"\{[^}]*\}", "", o.shape)[:80], "count": o.count,
+                "bytes": o.total_bytes, "flops": o.total_flops, "scope": scope_of(o.scope) or "(no scope)",
+                "primitive": o.scope.rsplit("/", 1)[-1] if o.scope else ""}
+
+    return {**program.totals(),
+            "by_scope": [{"scope": k, "bytes": b, "flops": f}
+                         for k, (b, f) in sorted(scopes.items(), key=lambda kv: -kv[1][0])],
+            "top_bytes": [row(o) for o in sorted(program.ops, key=lambda o: -o.total_bytes)[:top]],
+            "top_flops": [row(o) for o in sorted(program.ops, key=lambda o: -o.total_flops)[:top] if o.flops]}

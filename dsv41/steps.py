@@ -264,6 +264,7 @@ def _state(cache: Cache, x, pre) -> _State:
     return _State(x, pre, cache.window, cache.window_scales, cache.window_start, cache.compressed)
 
 
+@jax.named_scope("head")
 def _head(model, x_BSND, pre, counts_B):
     rows, last = jnp.arange(x_BSND.shape[0]), jnp.maximum(counts_B - 1, 0)
     x = x_BSND[rows, last][:, None]

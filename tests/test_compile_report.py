@@ -73,9 +73,16 @@ def _engram_check():
     d["architecture"]["engram"] = {"layers": [1], "max_ngram": 3, "heads_per_ngram": 2, "row_dim": 16,
                                    "compressed_vocab_size": 256, "prime_floor": 100, "pad_id": 2}
     cfg = config_lib.build(d)
-    r = cr.compile_report(cfg, "v5p:2x2x1", 8, 64, "fp8")
+    r = cr.compile_report(cfg, "v5p:2x2x1", 8, 64, "fp8", breakdown=6)
     assert (r["chips"], r["mesh"]) == (4, {"expert": 4})
     m = r["decode"]["memory_per_chip"]
+    # A step reads every parameter on its chip at least once; the roofline is params + cache.
+    b = r["decode"]["bytes_per_chip"]
+    assert b["roofline"] == m["params_on_device"] + m["cache"]
+    assert b["accessed"] >= m["params_on_device"] and math.isclose(b["ratio"], b["accessed"] / b["roofline"])
+    scopes = [row["scope"] for row in r["decode"]["breakdown"]["by_scope"]]
+    assert any(sc.endswith("moe") or "/moe/" in sc for sc in scopes), scopes   # the named scopes label the ops
+    assert len(r["decode"]["breakdown"]["top_bytes"]) == 6
     rows = dsv41.engram_hash.EngramLayout.from_config(cr.report_config(cfg, "fp8", "reference")).rows_per_layer[0]
     assert m["engram_host"] == rows * 16 * 2               # one bf16 table, whole on each chip's host
     assert m["total"] >= m["arguments"] > 0 and m["fits"]

@@ -54,3 +54,31 @@ def test_shape_bytes_follow_the_element_types():
     assert hlo_cost.shape_bytes("(bf16[2,3], f8e4m3fn[10], s4[6], pred[])") == 12 + 10 + 3 + 1
     with pytest.raises(ValueError, match="HLO element type: 'q7'"):
         hlo_cost.shape_bytes("q7[3]")
+
+
+def test_a_batched_matmul_written_as_a_dilated_convolution_counts_one_tap():
+    # TPU's form of einsum("gnd,gdi->gni") over G=6 groups: a window of G taps of which one meets data.
+    text = """HloModule m
+
+ENTRY %main (a: bf16[6,4,16], b: bf16[6,16,8]) -> f32[6,4,8] {
+  %a = bf16[6,4,16]{2,1,0} parameter(0)
+  %b = bf16[6,16,8]{2,1,0} parameter(1)
+  ROOT %c = f32[6,4,8]{2,1,0} convolution(%a, %b), window={size=6 stride=5 lhs_dilate=6}, dim_labels=0bf_0io->0bf
+}
+"""
+    assert hlo_cost.dot_flops(text) == 2 * 6 * 4 * 8 * 16
+    # An ordinary convolution: every tap of a 3-wide window.
+    plain = text.replace("window={size=6 stride=5 lhs_dilate=6}", "window={size=3}")
+    assert hlo_cost.dot_flops(plain) == 2 * 6 * 4 * 8 * 16 * 3
+
+
+def test_breakdown_groups_by_named_scope():
+    def f(x, w):
+        with jax.named_scope("attention"):
+            y = x @ w
+        with jax.named_scope("moe"):
+            return (y @ w) @ w
+    lowered = jax.jit(f).lower(jax.ShapeDtypeStruct((8, 32), jnp.float32), jax.ShapeDtypeStruct((32, 32), jnp.float32))
+    b = hlo_cost.breakdown(hlo_cost.Program(lowered.compile().as_text()))
+    flops = {r["scope"]: r["flops"] for r in b["by_scope"]}
+    assert flops["attention"] == 2 * 8 * 32 * 32 and flops["moe"] == 2 * (2 * 8 * 32 * 32)

@@ -185,7 +185,8 @@ class Attention(nnx.Module):
         b, s, _ = x_BSD.shape
         counts = valid_BS.sum(-1).astype(jnp.int32)
         new_len = lengths_B + counts
-        qr, q, kv = self.project(x_BSD, positions_BS)
+        with jax.named_scope("projections"):
+            qr, q, kv = self.project(x_BSD, positions_BS)
         quantised = packed(ring.leaves["values"])
         if quantised:  # the FP8 ring
             kv_vals, kv_scales = self.encode_window(kv)
@@ -235,11 +236,13 @@ class Attention(nnx.Module):
                                       or self.main_kv != quant.FP4_E4M3_16):
                 sel = dequant_entries(store.gather("entries", picks), store.gather("entry_scales", picks))
                 sel, sel_ok = sel.astype(kv.dtype), picks >= 0
-        if sel is not None or shared is not None or not quantised or self.kernel_impl() == "reference" or banded:
-            out = attend_step(q, keys_w, mask_w, sel, sel_ok, self.attn_sink[...], self.head_dim ** -0.5, shared)
-        else:  # the Pallas kernel reads the window's bytes themselves (above) and the picked entries
-            out = self._attend_kernel(q, win_vals, win_scales, mask_w, picks, stores)
-        return self.output(out, positions_BS), (ring, stores, handoff)
+        with jax.named_scope("attend"):
+            if sel is not None or shared is not None or not quantised or self.kernel_impl() == "reference" or banded:
+                out = attend_step(q, keys_w, mask_w, sel, sel_ok, self.attn_sink[...], self.head_dim ** -0.5, shared)
+            else:  # the Pallas kernel reads the window's bytes themselves (above) and the picked entries
+                out = self._attend_kernel(q, win_vals, win_scales, mask_w, picks, stores)
+        with jax.named_scope("output"):
+            return self.output(out, positions_BS), (ring, stores, handoff)
 
     def window_fake_quant(self, kv_BSK):
         """The window KV as the ring stores it, read back (the forward's `quant: qat`): FP8, UE8M0 per 32."""
@@ -269,10 +272,12 @@ class Attention(nnx.Module):
         """(stores with a Full layer's new entries written, the Handoff of an index source or None)."""
         rec = self.record
         if rec.stores_entries and not entries_ready:
-            stores = {**stores, rec.index: self.write_entries(x_BSD, lengths_B, counts_B, stores[rec.index])}
+            with jax.named_scope("compressor"):
+                stores = {**stores, rec.index: self.write_entries(x_BSD, lengths_B, counts_B, stores[rec.index])}
         if self.indexer is None:
             return stores, None
-        return stores, self._select_cached(x_BSD, qr_BSQ, positions_BS, published, stores[rec.kv_source])
+        with jax.named_scope("indexer"):
+            return stores, self._select_cached(x_BSD, qr_BSQ, positions_BS, published, stores[rec.kv_source])
 
     def write_entries(self, x_BSD, lengths_B, counts_B, store: LayerStore) -> LayerStore:
         """A Full layer's compressor over the new tokens: its store with the completed entries and indexer

@@ -3,6 +3,7 @@ runs before its Block, from the model (`Transformer.engram_step`): its table has
 
 from __future__ import annotations
 
+import jax
 from flax import nnx
 
 from dsv41 import schema
@@ -40,11 +41,18 @@ class Block(nnx.Module):
         `attend(attn, h) -> (y, state)` runs the attention layer on its normalised input: over the whole
         sequence (`forward`: state is the layer's `Handoff` or None) or over the cache (`dsv41.steps`: its
         new window ring, the updated stores and its Handoff). Returns (x, pre, state)."""
-        attn_pre, post, comb = self.hc_attn.mixes(x_BSND)
-        h = mhc.collapse(x_BSND, attn_pre if self.classic else pre_BSN)
+        # Named scopes label the compiled program's operations (`dsv41 compile-report --breakdown`).
+        with jax.named_scope("mhc"):
+            attn_pre, post, comb = self.hc_attn.mixes(x_BSND)
+            h = mhc.collapse(x_BSND, attn_pre if self.classic else pre_BSN)
         self.sow(nnx.Intermediate, "attn_input", h)
-        y, state = attend(self.attn, self.attn_norm(h))
-        x_BSND = mhc.expand(y, x_BSND, post, comb)
-        ffn_pre, post, comb = self.hc_ffn.mixes(x_BSND)
-        y = self.ffn(self.ffn_norm(mhc.collapse(x_BSND, ffn_pre if self.classic else attn_pre)), tokens_BS)
-        return mhc.expand(y, x_BSND, post, comb), ffn_pre, state
+        with jax.named_scope("attention"):
+            y, state = attend(self.attn, self.attn_norm(h))
+        with jax.named_scope("mhc"):
+            x_BSND = mhc.expand(y, x_BSND, post, comb)
+            ffn_pre, post, comb = self.hc_ffn.mixes(x_BSND)
+            h = mhc.collapse(x_BSND, ffn_pre if self.classic else attn_pre)
+        with jax.named_scope("moe"):
+            y = self.ffn(self.ffn_norm(h), tokens_BS)
+        with jax.named_scope("mhc"):
+            return mhc.expand(y, x_BSND, post, comb), ffn_pre, state

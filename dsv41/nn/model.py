@@ -84,12 +84,16 @@ class LayerStack(nnx.Module):
         whole = [None if spec.runs[j] == 1 else st for j, (_, st) in enumerate(split)]
 
         slot_layers = [tuple(int(i) for i in np.ravel(spec.grid(j))) for j in range(spec.slots)]
+        # The named scope of a slot's traced layer: the layers it runs and their kind.
+        modes = [self.slots[j].attn.record.mode for j in range(spec.slots)]
+        scopes = [f"layers {','.join(map(str, slot_layers[j]))} {modes[j]}" for j in range(spec.slots)]
 
         def one(block, g, j, r, carry, published):
             layer = spec.first + g * spec.width + spec.offset(j) + r
             at = LayerAt(g, j, r, layer, slot_layers[j])
-            (carry, published), rec = nnx.capture(lambda b: layer_fn(b, at, carry, published),
-                                                  nnx.Intermediate)(block)
+            with jax.named_scope(scopes[j] if isinstance(layer, jax.Array) else f"layer {layer} {modes[j]}"):
+                (carry, published), rec = nnx.capture(lambda b: layer_fn(b, at, carry, published),
+                                                      nnx.Intermediate)(block)
             return carry, published, _plain(rec) if record else None
 
         def body(state_g, g, carry, published):
@@ -221,7 +225,8 @@ class Transformer(nnx.Module):
             if at.layer not in self.engram_layers:
                 return x_BSND
             k = self.engram_layers.index(at.layer)
-            return self.engram[k](x_BSND, engram_ids_BSLC[:, :, k])
+            with jax.named_scope("engram"):
+                return self.engram[k](x_BSND, engram_ids_BSLC[:, :, k])
         mine = [k for k, i in enumerate(self.engram_layers) if i in at.layers]
         if not mine:
             return x_BSND
@@ -232,7 +237,8 @@ class Transformer(nnx.Module):
         def apply(k):
             return lambda x: self.engram[k](x, engram_ids_BSLC[:, :, k])
 
-        return jax.lax.switch(jnp.asarray(branch)[at.layer], [lambda x: x] + [apply(k) for k in mine], x_BSND)
+        with jax.named_scope("engram"):
+            return jax.lax.switch(jnp.asarray(branch)[at.layer], [lambda x: x] + [apply(k) for k in mine], x_BSND)
 
     def __call__(self, tokens_BS, positions_BS, engram_ids_BSLC=None, *, record: bool = False, remat=None):
         """Logits [B, S, V] in fp32 of a whole sequence (teacher forced); with `record`, also per layer
