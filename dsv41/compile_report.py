@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from dsv41 import config as config_lib
-from dsv41 import hlo_cost
+from dsv41 import flop_model, hlo_cost
 from dsv41 import model as model_lib
 from dsv41 import sharding as sh
 from dsv41.nn import moe, policy as policy_lib
@@ -202,6 +202,7 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
     # FLOPs come from the same step lowered with every loop unrolled (`lowered_flops_per_token`).
     per_token = lowered_flops_per_token(cfg, batch=batch, context=context, weights=weights, seq=seq)
     flops = per_token * batch * seq / chips
+    analytic = flop_model.flops_per_token(cfg, context=context, seq=seq)
     hbm = HBM_BYTES.get(mesh.devices.flat[0].device_kind)
     memory = {
         "arguments": int(mem.argument_size_in_bytes),
@@ -230,6 +231,10 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
         "memory_per_chip": memory,
         "flops_per_chip": flops,  # the step's FLOPs shared evenly over the chips
         "flops_per_token": per_token,
+        # The closed per-layer count of the matmuls (`flop_model`), raw and precision-weighted (BF16 1, FP8 0.5,
+        # FP4 0.25); XLA's count adds the elementwise work.
+        "analytic_flops_per_token": {"matmul": analytic["total"], "weighted": analytic["weighted"],
+                                     "xla_over_analytic": per_token / analytic["total"]},
         "collectives_per_chip": collective_bytes(hlo),
         "weight_copies_per_chip": weight_copies(hlo),
         "experts": _expert_form(cfg, mesh, rules, batch * seq, seq),
@@ -249,22 +254,26 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
     return out
 
 
-def lowered_flops_per_token(cfg, *, batch: int, context: int, weights: str, seq: int = 1) -> float:
-    """XLA's FLOPs of one whole step (every chip's work together; seq = 1: decode, else a prefill chunk)
-    per new token, from the lowered program on one device: the model's arithmetic, whatever the sharding.
+def flop_counting_lowering(cfg, *, batch: int, context: int, weights: str, seq: int = 1):
+    """The step (seq = 1: decode, else a prefill chunk) lowered on one CPU device at static shapes, for
+    counting its arithmetic (`jax.stages.Lowered`): the XLA reference path (a Pallas kernel is a custom call XLA
+    counts as nothing), the layer stacks, Sinkhorn and the indexer's head loop unrolled and the experts as one
+    matmul per pick (XLA's cost analysis counts a loop body once and a ragged_dot as dense over its groups).
     Lowering takes seconds where a full-size TPU compile takes minutes, so a context sweep is cheap."""
     mesh = sh.make_mesh({}, devices=jax.devices("cpu")[:1])
-    # The XLA path's arithmetic (a Pallas kernel is a custom call XLA counts as nothing).
     cfg = config_lib.build(cfg.to_dict(), ['runtime.kernels="reference"'])
     args, pshard = abstract_inputs(cfg, mesh, "serve", weights=weights, batch=batch, seq=seq, context=context,
                                    engram_host=False)
-    # XLA's cost analysis counts a loop body once and a ragged_dot as dense over its groups: trace the layer
-    # stacks, Sinkhorn and the indexer's head loop unrolled and the experts as one matmul per pick, which
-    # cost what they compute.
     fn = sh.step_function(cfg, mesh, "serve", tokens_shape=(batch, seq), ids_shape=None if args[4] is None else
                           args[4].shape, max_len=context, params_shardings=pshard, engram_host=False,
                           flop_counting=True)
-    cost = fn.trace(*args).lower().cost_analysis()
+    return fn.trace(*args).lower()
+
+
+def lowered_flops_per_token(cfg, *, batch: int, context: int, weights: str, seq: int = 1) -> float:
+    """XLA's FLOPs of one whole step (every chip's work together; seq = 1: decode, else a prefill chunk)
+    per new token, from `flop_counting_lowering`: the model's arithmetic, whatever the sharding."""
+    cost = flop_counting_lowering(cfg, batch=batch, context=context, weights=weights, seq=seq).cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     return float(cost["flops"]) / (batch * seq)
 
@@ -286,6 +295,8 @@ def context_sweep(cfg, contexts, batch: int, weights: str) -> list[dict]:
         r["relative_to_4k"] = r["flops_per_token"] / rows[0]["flops_per_token"]
         r["score_everything_relative_to_4k"] = (r["score_everything_flops_per_token"]
                                                 / rows[0]["score_everything_flops_per_token"])
+    for r, a in zip(rows, flop_model.weighted_sweep(cfg, [r["context"] for r in rows])):
+        r["analytic"] = {k: a[k] for k in ("flops", "weighted", "flops_relative", "weighted_relative")}
     return rows
 
 
@@ -381,7 +392,10 @@ def format_report(r: dict) -> str:
                   f"{'' if m['fits'] is None else (' — fits' if m['fits'] else ' — DOES NOT FIT')}",
                   f"  Engram tables in host memory: {g(m['engram_host'])} per chip",
                   f"  XLA FLOPs per token: {s['flops_per_token']:.4g} ({s['flops_per_chip']:.4g} per chip per step), "
-                  "counted with one matmul per expert pick"]
+                  "counted with one matmul per expert pick",
+                  f"  analytic matmul FLOPs per token: {s['analytic_flops_per_token']['matmul']:.4g} (XLA "
+                  f"{s['analytic_flops_per_token']['xla_over_analytic']:.3f}× of it), precision-weighted "
+                  f"{s['analytic_flops_per_token']['weighted']:.4g}"]
         if "experts" in s:
             e = s["experts"]
             lines.append(f"  routed experts: {e['form']} ({e['group_tokens']} tokens per expert group"
@@ -404,7 +418,8 @@ def format_report(r: dict) -> str:
     for p in r.get("context_sweep", []):
         lines.append(f"  context {p['context']:>8}: {p['flops_per_token']:.4g} ({p['relative_to_4k']:.3f}× of 4K); "
                      f"score everything {p['score_everything_flops_per_token']:.4g} "
-                     f"({p['score_everything_relative_to_4k']:.3f}× of 4K)")
+                     f"({p['score_everything_relative_to_4k']:.3f}× of 4K); analytic {p['analytic']['flops_relative']:.3f}×, "
+                     f"weighted {p['analytic']['weighted_relative']:.3f}×")
     return "\n".join(lines)
 
 

@@ -83,6 +83,9 @@ def _engram_check():
     scopes = [row["scope"] for row in r["decode"]["breakdown"]["by_scope"]]
     assert any(sc.endswith("moe") or "/moe/" in sc for sc in scopes), scopes   # the named scopes label the ops
     assert len(r["decode"]["breakdown"]["top_bytes"]) == 6
+    # XLA counts every matmul the closed formula does, and the elementwise work beside them.
+    a = r["decode"]["analytic_flops_per_token"]
+    assert 1.0 <= a["xla_over_analytic"] < 1.5 and a["weighted"] < a["matmul"], a
     rows = dsv41.engram_hash.EngramLayout.from_config(cr.report_config(cfg, "fp8", "reference")).rows_per_layer[0]
     assert m["engram_host"] == rows * 16 * 2               # one bf16 table, whole on each chip's host
     assert m["total"] >= m["arguments"] > 0 and m["fits"]
@@ -123,6 +126,8 @@ def test_context_sweep_reindex_pool_saves_what_scoring_everything_costs():
     grow_all = rows[1]["score_everything_flops_per_token"] - rows[0]["score_everything_flops_per_token"]
     assert grow_all - grow_pool >= scoring, (grow_all, grow_pool, scoring)
     assert rows[1]["score_everything_relative_to_4k"] > rows[1]["relative_to_4k"] > 1.0
+    # The closed per-layer count beside it grows too, and its Full layers' scoring at least by the formula.
+    assert rows[1]["analytic"]["flops_relative"] > 1.0 and rows[0]["analytic"]["weighted_relative"] == 1.0
 
 
 @pytest.mark.slow

@@ -1,25 +1,17 @@
 """flop_model: the analytic matmul FLOPs per token equal XLA's dot count of the same step lowered at static
 shapes, and the precision-weighted sweep equals a hand count from the config's numbers."""
 
-import jax
 import pytest
 
 import dsv41
-from dsv41 import compile_report, config as config_lib, flop_model, hlo_cost, sharding as sh
+from dsv41 import compile_report, flop_model, hlo_cost
 from dsv41.errors import ConfigError
 
 
 def _xla_per_token(cfg, *, context: int, seq: int = 1, batch: int = 1) -> tuple[float, float]:
     """(dot FLOPs, cost-analysis FLOPs) per new token of the step `compile_report.lowered_flops_per_token`
     lowers: one CPU device, the XLA reference path, every layer unrolled, experts one matmul per pick."""
-    mesh = sh.make_mesh({}, devices=jax.devices("cpu")[:1])
-    cfg = config_lib.build(cfg.to_dict(), ['runtime.kernels="reference"'])
-    args, pshard = compile_report.abstract_inputs(cfg, mesh, "serve", weights="fp8", batch=batch, seq=seq,
-                                                  context=context, engram_host=False)
-    fn = sh.step_function(cfg, mesh, "serve", tokens_shape=(batch, seq),
-                          ids_shape=None if args[4] is None else args[4].shape, max_len=context,
-                          params_shardings=pshard, engram_host=False, flop_counting=True)
-    lowered = fn.trace(*args).lower()
+    lowered = compile_report.flop_counting_lowering(cfg, batch=batch, context=context, weights="fp8", seq=seq)
     cost = lowered.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     tokens = batch * seq
