@@ -198,8 +198,10 @@ def dot_flops_of(ins: Instr, shapes: dict[str, str]) -> float:
         return 2.0 * out * math.prod(lhs[int(c)] for c in contracting.strip("{}").split(",") if c)
     if ins.opcode == "convolution":
         # Each output element meets the kernel's input features at every window tap that lands on data: with
-        # lhs_dilate d over a window of size k, ceil(k / d) of them (TPU writes a batched matmul as a
-        # convolution whose window of G taps meets one: size=G, lhs_dilate=G).
+        # lhs_dilate d over a window of size k, at most ceil(k / d) of them, and at most the n input positions
+        # along that dimension (TPU writes a batched matmul as a window of G taps that meets one: size=G,
+        # lhs_dilate=G; and an output dimension as a window of k taps over one padded input position).
+        lhs = dims_of(shapes[ins.operands[0]])
         rhs = dims_of(shapes[ins.operands[1]])
         labels = ins.attr("dim_labels") or ""
         kernel = labels.split("_")[1].split("->")[0] if "_" in labels else ""
@@ -208,7 +210,9 @@ def dot_flops_of(ins: Instr, shapes: dict[str, str]) -> float:
         fields = dict(f.split("=", 1) for f in window.group(1).split()) if window else {}
         sizes = [int(v) for v in fields.get("size", "").split("x") if v]
         dilate = [int(v) for v in fields.get("lhs_dilate", "").split("x") if v] or [1] * len(sizes)
-        taps = math.prod(-(-k // d) for k, d in zip(sizes, dilate))
+        lhs_labels = labels.split("_")[0] if "_" in labels else ""
+        extent = [lhs[lhs_labels.index(str(j))] if str(j) in lhs_labels else k for j, k in enumerate(sizes)]
+        taps = math.prod(min(-(-k // d), n) for k, d, n in zip(sizes, dilate, extent))
         return 2.0 * out * (rhs[i] if 0 <= i < len(rhs) else 1) * taps
     return 0.0
 

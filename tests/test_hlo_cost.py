@@ -67,6 +67,17 @@ ENTRY %main (a: bf16[6,4,16], b: bf16[6,16,8]) -> f32[6,4,8] {
 }
 """
     assert hlo_cost.dot_flops(text) == 2 * 6 * 4 * 8 * 16
+    # An output dimension written as a window of 5 taps over one input position padded by 4 on each side:
+    # each output element meets that one position.
+    widen = """HloModule m
+
+ENTRY %main (a: bf16[4,1,16], b: bf16[5,16,8]) -> f32[4,5,8] {
+  %a = bf16[4,1,16]{2,1,0} parameter(0)
+  %b = bf16[5,16,8]{2,1,0} parameter(1)
+  ROOT %c = f32[4,5,8]{2,1,0} convolution(%a, %b), window={size=5 pad=4_4 rhs_reversal=1}, dim_labels=b0f_0io->b0f
+}
+"""
+    assert hlo_cost.dot_flops(widen) == 2 * 4 * 5 * 8 * 16
     # An ordinary convolution: every tap of a 3-wide window.
     plain = text.replace("window={size=6 stride=5 lhs_dilate=6}", "window={size=3}")
     assert hlo_cost.dot_flops(plain) == 2 * 6 * 4 * 8 * 16 * 3
