@@ -101,36 +101,54 @@ class IndexerV4(Indexer):
 def lightning_scores(q_BSJd, keys_BTd, w_BSJ, visible_BST, unroll: bool = False):
     """I[t, i] = Σ_j w[t, j]·J^-½ · relu(q[t, j] · k[i]) · dI^-½ in fp32, −inf where not visible.
 
-    Accumulated one head at a time: the per-head scores [B, S, J, T] are never materialised. unroll: the
-    head loop traced unrolled (`Lowering.unroll_index_heads`: XLA's cost analysis counts a loop body once,
-    so FLOP reports trace it unrolled); the arithmetic is the same."""
+    Accumulated over groups of heads (`_accumulate`): the per-head scores [B, S, J, T] are materialised only
+    where they are small. unroll: the head loop traced unrolled (`Lowering.unroll_index_heads`: XLA's cost
+    analysis counts a loop body once, so FLOP reports trace it unrolled); the arithmetic is the same."""
     keys = keys_BTd.astype(jnp.float32)
-    return _accumulate(q_BSJd, w_BSJ, visible_BST, lambda q_BSd: jnp.einsum(
-        "bsd,btd->bst", q_BSd, keys, precision=jax.lax.Precision.HIGHEST), unroll)
+    return _accumulate(q_BSJd, w_BSJ, visible_BST, lambda q_BScd: jnp.einsum(
+        "bscd,btd->bsct", q_BScd, keys, precision=jax.lax.Precision.HIGHEST), unroll)
 
 
 def lightning_scores_per_query(q_BSJd, keys_BSPd, w_BSJ, visible_BSP, unroll: bool = False):
     """`lightning_scores` against keys gathered per query (the candidate pool): [B, S, P]."""
     keys = keys_BSPd.astype(jnp.float32)
-    return _accumulate(q_BSJd, w_BSJ, visible_BSP, lambda q_BSd: jnp.einsum(
-        "bsd,bspd->bsp", q_BSd, keys, precision=jax.lax.Precision.HIGHEST), unroll)
+    return _accumulate(q_BSJd, w_BSJ, visible_BSP, lambda q_BScd: jnp.einsum(
+        "bscd,bspd->bscp", q_BScd, keys, precision=jax.lax.Precision.HIGHEST), unroll)
+
+
+# The head groups of `_accumulate` hold at most this many per-head scores (fp32, the whole step's rows): a
+# decode step scores every head at once and reads its keys once (one head at a time, full-size V4.1-Flash
+# decode read each Reindex layer's gathered pool keys 32 times: 4.3 of its 125 GB per chip per step); a
+# prefill chunk's scores, hundreds of times larger, go one head at a time.
+SCORES_PER_GROUP = 2**25
+
+
+def heads_per_group(batch: int, seq: int, heads: int, keys: int) -> int:
+    """The largest number of heads dividing `heads` whose scores [B, S, c, T] stay within SCORES_PER_GROUP."""
+    return max([c for c in range(1, heads + 1) if heads % c == 0 and batch * seq * c * keys <= SCORES_PER_GROUP],
+               default=1)
 
 
 def _accumulate(q_BSJd, w_BSJ, visible_BST, dots, unroll: bool):
+    """Σ_j w_j·J^-½ · relu(dots(q_j)) · dI^-½ over the heads j, in groups of `heads_per_group` heads: dots maps
+    queries [B, S, c, d] to their scores [B, S, c, T]."""
     heads, head_dim = q_BSJd.shape[-2:]
-    q = q_BSJd.astype(jnp.float32)
-    w = w_BSJ.astype(jnp.float32) * heads ** -0.5
+    b, s, t = visible_BST.shape
+    c = heads_per_group(b, s, heads, t)
+    q = q_BSJd.astype(jnp.float32).reshape(b, s, heads // c, c, head_dim)
+    w = (w_BSJ.astype(jnp.float32) * heads ** -0.5).reshape(b, s, heads // c, c)
 
-    def head(j, acc):
-        return acc + jax.nn.relu(dots(q[:, :, j])) * head_dim ** -0.5 * w[:, :, j, None]
+    def group(g, acc):
+        scores = jax.nn.relu(dots(q[:, :, g])) * head_dim ** -0.5 * w[:, :, g, :, None]
+        return acc + scores.sum(axis=2)
 
     init = jnp.zeros(visible_BST.shape, jnp.float32)
-    if unroll:
+    if unroll or heads == c:
         scores = init
-        for j in range(heads):
-            scores = head(j, scores)
+        for g in range(heads // c):
+            scores = group(g, scores)
     else:
-        scores = jax.lax.fori_loop(0, heads, head, init)
+        scores = jax.lax.fori_loop(0, heads // c, group, init)
     return jnp.where(visible_BST, scores, NEG_INF)
 
 
