@@ -74,14 +74,25 @@ def _stored_weight(parts, width: int) -> float:
     return sum(p.dims * _format_weight(p.dtype) for p in parts) / width
 
 
-def _precisions(cfg) -> dict[str, float]:
-    """Each term's weight for this config."""
+WEIGHTS = ("fp8", "bf16")
+
+
+def _precisions(cfg, weights: str = "fp8") -> dict[str, float]:
+    """Each term's weight for this config. weights: "fp8", the model as released (FP8 dense weights, MXFP4
+    routed experts, and the cache in the formats its official inference stores, `kv_cache.*`), or "bf16" (every
+    weight at BF16, as dsv41 runs the small trained models; the cache as configured: with `quant: none` it
+    holds the compute dtype, and the attention core and the indexer scores count as BF16)."""
+    if weights not in WEIGHTS:
+        raise ConfigError("weights", weights, f"expected one of {WEIGHTS}")
     k = cfg.architecture.head_dim
     out = dict(TERMS)
-    out["attention.window"] = _stored_weight(accounting.window_row_parts(cfg), k)
-    out["attention.entries"] = _stored_weight(accounting.main_entry_parts(cfg), k)
-    out["indexer.scores"] = _format_weight(cfg.kv_cache.index_kv_dtype)
     out["indexer.keys"] = FP8 if family(cfg) == schema.V41 else BF16
+    if weights == "bf16":
+        out = {t: BF16 for t in out}
+    stored = weights == "fp8" or cfg.quant == "qat"
+    out["attention.window"] = _stored_weight(accounting.window_row_parts(cfg), k) if stored else BF16
+    out["attention.entries"] = _stored_weight(accounting.main_entry_parts(cfg), k) if stored else BF16
+    out["indexer.scores"] = _format_weight(cfg.kv_cache.index_kv_dtype) if stored else BF16
     return out
 
 
@@ -185,9 +196,9 @@ def _kind(rec: LayerRecord) -> str:
     return rec.mode if rec.ratio == 0 else f"{rec.mode}/{rec.ratio}"
 
 
-def flops_per_token(cfg, *, context: int, seq: int = 1) -> dict:
+def flops_per_token(cfg, *, context: int, seq: int = 1, weights: str = "fp8") -> dict:
     """Matmul FLOPs per new token of one step of S = `seq` new tokens per row (1: decode) over a cache of
-    `context` tokens, raw and precision-weighted (module docstring).
+    `context` tokens, raw and precision-weighted (module docstring; weights: `_precisions`').
 
     Returns {"model", "context", "capacity", "seq",
              "layers": [{"index", "kind", "flops": {term: FLOPs}, "total", "weighted"}],
@@ -200,7 +211,7 @@ def flops_per_token(cfg, *, context: int, seq: int = 1) -> dict:
     plan = layer_plan(cfg)
     cap = capacity(cfg, context)
     pools = {r.candidate_source for r in plan if r.candidate_source is not None}
-    weight = _precisions(cfg)
+    weight = _precisions(cfg, weights)
 
     layers, kinds = [], {}
     mechanisms = {name: 0.0 for name in TERMS}
@@ -226,7 +237,7 @@ def flops_per_token(cfg, *, context: int, seq: int = 1) -> dict:
             "weighted": sum(v["weighted"] for v in mech.values())}
 
 
-def weighted_sweep(cfg, contexts=SWEEP_CONTEXTS) -> list[dict]:
+def weighted_sweep(cfg, contexts=SWEEP_CONTEXTS, weights: str = "fp8") -> list[dict]:
     """Decode FLOPs per token by context, raw and precision-weighted, each relative to the first context:
     [{"context", "flops", "weighted", "flops_relative", "weighted_relative"}]."""
     contexts = list(contexts)
@@ -234,7 +245,7 @@ def weighted_sweep(cfg, contexts=SWEEP_CONTEXTS) -> list[dict]:
         raise ConfigError("contexts", contexts, "expected at least one context (the first is the reference)")
     rows = []
     for t in contexts:
-        f = flops_per_token(cfg, context=t)
+        f = flops_per_token(cfg, context=t, weights=weights)
         rows.append({"context": t, "flops": f["total"], "weighted": f["weighted"]})
     for r in rows:
         r["flops_relative"] = r["flops"] / rows[0]["flops"]

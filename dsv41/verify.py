@@ -11,8 +11,8 @@ DIR/results.json and PNG plots:
 1. Context sweep (the shipped variant): per context, steady prefill seconds (its compile timed apart),
    latency to the first token (`max_tokens` 1) and to the 128th (`max_tokens` 128), their difference and
    the decode ms per token; XLA's decode FLOPs per token (the step lowered at static shapes for the
-   context) raw and precision-weighted (BF16 1, FP8 0.5, FP4 0.25: the main-entry attention and the
-   indexer's scores count as FP4, the window attention as FP8, `precision_split`), relative to 4K.
+   context) raw and precision-weighted (BF16 1, FP8 0.5, FP4 0.25: each matmul of `flop_model`'s count at
+   its operands' stored format, the elementwise rest at 1; `decode_flops`), relative to 4K.
 2. Memory: the cache's bytes from its pytree against `kv_bytes_per_token × capacity + fixed` (exact for
    the packed cache), its bytes per token measured as the difference of two capacities, and the process
    memory (`memory_stats()` on GPU/TPU, RSS on CPU) sampled before, during and a few seconds after each
@@ -39,11 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dsv41 import accounting, passkey, verify_client, verify_report
+from dsv41 import accounting, flop_model, passkey, verify_client, verify_report
 from dsv41 import data as data_lib
 from dsv41.config import build, load_config
 from dsv41.errors import ConfigError
-from dsv41.plan import layer_plan
 
 NEW_TOKENS = 128  # the long request's max_tokens; the short one's is 1
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -173,49 +172,17 @@ def _cfg(base, overrides) -> object:
     return build(base.to_dict(), list(overrides))
 
 
-def precision_split(cfg, context: int) -> dict:
-    """FLOPs per decoded token at `context` filled tokens that run on stored low-precision operands:
-    "fp4": the attention over the selected main entries (QK and PV, 4·H·K per entry) and the indexer's
-    scores against its MXFP4 keys (2·J·d per key scored: every visible entry at a Full layer, the
-    candidate pool's at a Reindex layer); "fp8": the attention over the FP8 window (4·H·K per key).
-    With `quant: none` nothing is stored low-precision and both are 0."""
-    if cfg.quant != "qat":
-        return {"fp4": 0.0, "fp8": 0.0}
-    a, ix = cfg.architecture, cfg.csa2.indexer
-    h, k = a.num_heads, a.head_dim
-    fp4 = fp8 = 0.0
-    pool = ix.hierarchical.max_blocks * ix.hierarchical.positions_per_block if ix.hierarchical.enabled else None
-    main_bits = 8 if cfg.kv_cache.global_kv_dtype in ("fp8", "fp8_e4m3") else 4
-    main = 0.0
-    for r in layer_plan(cfg):
-        fp8 += 4 * h * k * min(cfg.kv_cache.swa_window_size, context)
-        if not r.ratio:
-            continue
-        visible = context // r.ratio
-        main += 4 * h * k * (min(ix.top_k, visible) if r.selects else visible)
-        if r.mode == "full":
-            fp4 += 2 * ix.query_heads * ix.head_dim * visible
-        elif r.mode == "reindex":
-            fp4 += 2 * ix.query_heads * ix.head_dim * (min(pool, visible) if pool else visible)
-    if main_bits == 8:
-        fp8 += main
-    else:
-        fp4 += main
-    return {"fp4": fp4, "fp8": fp8}
-
-
 def decode_flops(cfg, capacity: int, weights: str = "bf16") -> dict:
     """XLA's decode FLOPs per token (the step lowered at static shapes for this capacity, every loop unrolled:
-    `compile_report.lowered_flops_per_token`) and the precision-weighted count: `precision_split`'s FP4 and FP8
-    parts at 0.25 and 0.5, the rest (the projections and experts, and the few elementwise FLOPs beside them) at
-    1 with BF16 weights and 0.5 with FP8 weights."""
+    `compile_report.lowered_flops_per_token`) and the precision-weighted count: the matmuls of the closed
+    per-layer count (`flop_model`, equal to XLA's dots) at the weights of their operands' formats, and XLA's
+    elementwise work beside them (dequantisation, norms, masks, top-k) at 1."""
     from dsv41 import compile_report
 
     raw = compile_report.lowered_flops_per_token(cfg, batch=1, context=capacity, weights=weights)
-    split = precision_split(cfg, capacity)
-    rest = raw - split["fp4"] - split["fp8"]
-    return {"raw": raw, "fp4": split["fp4"], "fp8": split["fp8"], "weights": weights,
-            "weighted": (0.5 if weights == "fp8" else 1.0) * rest + 0.5 * split["fp8"] + 0.25 * split["fp4"]}
+    matmuls = flop_model.flops_per_token(cfg, context=capacity, weights=weights)
+    return {"raw": raw, "matmul": matmuls["total"], "weights": weights,
+            "weighted": matmuls["weighted"] + (raw - matmuls["total"])}
 
 
 def full_size_flops(contexts, *, config: str = "v41_flash", progress=lambda msg: None) -> list[dict]:

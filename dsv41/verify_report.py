@@ -120,9 +120,11 @@ def report_md(results: dict) -> str:
               f"{r['latency_1_s']:.2f} / {r['latency_128_s']:.2f}", f"{r['latency_difference_s']:.2f}",
               f"{r['decode_ms_per_token']:.2f}", f"{r['decode_flops']['raw']:.3e}", f"{r['decode_flops']['weighted']:.3e}",
               f"{r['decode_flops']['raw_relative']:.3f}× / {r['decode_flops']['weighted_relative']:.3f}×"] for r in sw])
-        lines += ["", "Precision weighting: the attention over the selected main entries and the indexer's scores count "
-                  "as FP4 (0.25), the window attention as FP8 (0.5), the rest at 1 with BF16 weights and 0.5 with FP8 "
-                  "weights; `dsv41.verify.precision_split` gives the split.", ""]
+        lines += ["", "Precision weighting: each matmul of the closed per-layer count (`dsv41.flop_model`, equal to XLA's "
+                  "dots) at the format its operands are stored in (BF16 1, FP8 0.5, FP4 0.25: the attention over the "
+                  "FP4 main entries and the indexer's FP4 scores, the window attention over the FP8 ring; the weights "
+                  "at 1 in BF16, FP8 dense and MXFP4 routed experts as shipped), XLA's elementwise rest at 1 "
+                  "(`dsv41.verify.decode_flops`).", ""]
     fs = results.get("full_size_flops")
     if fs:
         lines += ["### Full size (V4.1-Flash, FP8 weights, lowered on this CPU)", ""]

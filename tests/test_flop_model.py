@@ -103,7 +103,7 @@ def test_kinds_cover_the_plan():
 
 @pytest.mark.parametrize("field,kwargs", [
     ("context", {"context": 0}), ("context", {"context": 4096.0}), ("context", {"context": True}),
-    ("seq", {"context": 4096, "seq": -1}),
+    ("seq", {"context": 4096, "seq": -1}), ("weights", {"context": 4096, "weights": "fp4"}),
 ])
 def test_bad_input_names_the_field(field, kwargs):
     with pytest.raises(ConfigError, match=f"'{field}'"):

@@ -5,11 +5,10 @@ KV ratio against the element and scale widths, and the PNGs read back as images 
 import json
 import struct
 
-import numpy as np
 import pytest
 
 import dsv41
-from dsv41 import cli, passkey, verify, verify_report
+from dsv41 import cli, flop_model, passkey, verify, verify_report
 from dsv41.errors import ConfigError
 
 # The accuracy prompts fill the sweep's capacity (512 + 128) and both prefill in 256-token chunks at batch 1, so the
@@ -114,20 +113,21 @@ def test_bad_arguments_name_the_flag(tmp_path):
         verify.check_contexts(dsv41.load_config("passkey"), [16384], "--contexts")
 
 
-def test_precision_split_counts_what_the_stores_hold():
+def test_decode_flops_weigh_the_matmuls_by_their_formats_and_the_rest_at_one():
+    """verify's weighted decode FLOPs: flop_model's matmuls at their weights (a hand count of the one term
+    that moves with the stored format here: the selected entries' attention, FP4 shipped vs FP8) and
+    XLA's elementwise rest at 1."""
     cfg = dsv41.load_config("passkey")
+    t = 1024
+    r = verify.decode_flops(cfg, t)
+    m = flop_model.flops_per_token(cfg, context=t, weights="bf16")
+    assert r["matmul"] == m["total"] and r["raw"] > r["matmul"]
+    assert r["weighted"] == pytest.approx(m["weighted"] + r["raw"] - r["matmul"], rel=1e-12)
     a, ix = cfg.architecture, cfg.csa2.indexer
-    h, k, w = a.num_heads, a.head_dim, cfg.kv_cache.swa_window_size
-    t = 4096
-    split = verify.precision_split(cfg, t)
-    # Window: every layer 4·H·K per key over W keys (FP8). Main entries: top-k of each selecting layer (FP4).
-    # Indexer: the Full layers score every visible entry, the Reindex layer the pool's (FP4).
-    plan = dsv41.layer_plan(cfg)
-    sel = sum(4 * h * k * min(ix.top_k, t // r.ratio) for r in plan if r.ratio)
-    pool = ix.hierarchical.max_blocks * ix.hierarchical.positions_per_block
-    scores = sum(2 * ix.query_heads * ix.head_dim * (t // r.ratio if r.mode == "full" else pool)
-                 for r in plan if r.mode in ("full", "reindex"))
-    assert split == {"fp8": len(plan) * 4 * h * k * w, "fp4": sel + scores}
-    assert verify.precision_split(dsv41.load_config("passkey", ["quant=none"]), t) == {"fp4": 0.0, "fp8": 0.0}
-    np.testing.assert_allclose(verify.precision_split(dsv41.load_config("passkey", ["kv_cache.global_kv_dtype=fp8"]),
-                                                      t)["fp8"], split["fp8"] + sel)
+    selected = sum(4 * a.num_heads * a.head_dim * min(ix.top_k, t // rec.ratio)
+                   for rec in dsv41.layer_plan(cfg) if rec.ratio)
+    fp8 = flop_model.flops_per_token(dsv41.load_config("passkey", ["kv_cache.global_kv_dtype=fp8"]), context=t,
+                                     weights="bf16")
+    assert fp8["weighted"] - m["weighted"] == pytest.approx((0.5 - 0.25) * selected, rel=1e-12)
+    none = flop_model.flops_per_token(dsv41.load_config("passkey", ["quant=none"]), context=t, weights="bf16")
+    assert none["weighted"] == none["total"]  # a float cache and BF16 weights: everything at 1
