@@ -12,7 +12,9 @@ layer order). Per sequence: its length and the last tokens the Engram n-gram has
 Every shape is static; a capacity is rounded up to a multiple of every compression ratio
 (`round_capacity`). The
 one-byte formats are kept as their bits (uint8): a gather then moves bytes and nothing converts a
-whole store (`quant.to_bytes` / `quant.from_bytes` convert).
+whole store (`quant.to_bytes` / `quant.from_bytes` convert). The main entries keep their bytes in pairs, as
+uint16 words (`kv_store.to_words`): a TPU writes rows into an 8-bit array only after copying the whole store
+into another tiling, a 16-bit one in place (docs/decode_bytes.md).
 
 A V4.1 config with `quant: none` (no fake-quant, DESIGN §3.8) gets the float cache: the same leaves
 with the entries [B, T, K], indexer keys [B, T, dI] and window rings [N, B, W, K] in the compute dtype
@@ -51,8 +53,8 @@ class CompressedKV:
     the stack's groups; below, one layer's shapes. The float cache holds entries [B, T, K] and index_keys
     [B, T, dI] in the compute dtype and scale leaves [B, T, 0])."""
 
-    entries: jax.Array        # uint8 [B, T, K/2]     FP4 E2M1, two per byte (even element low nibble);
-                              #   FP8 main KV: [B, T, K], one E4M3 code a byte
+    entries: jax.Array        # uint16 [B, T, K/4]    FP4 E2M1, two per byte (even element low nibble), the bytes
+                              #   in pairs (`kv_store.to_words`); FP8 main KV: [B, T, K/2], one E4M3 code a byte
     entry_scales: jax.Array   # uint8 [B, T, K/16]     the bits of E4M3 scales
     index_keys: jax.Array     # uint8 [B, T, dI/2]    FP4 E2M1
     index_scales: jax.Array   # uint8 [B, T, dI/32]    the bits of UE8M0 scales
@@ -180,7 +182,8 @@ def _shapes(cfg, batch: int, max_len: int) -> dict:
             continue
         t = max_len // r.ratio
         compressed.append(CompressedKV(
-            entries=_sds((batch, t, k // per_entry), dtype),
+            # packed: the entry's bytes as uint16 words (`kv_store.to_words`)
+            entries=_sds((batch, t, k // per_entry // 2), jnp.uint16) if packed else _sds((batch, t, k), dtype),
             entry_scales=_sds((batch, t, scales(k, quant.FP4_E4M3_16)), jnp.uint8),
             index_keys=_sds((batch, t, d_i // per_element), dtype),
             index_scales=_sds((batch, t, scales(d_i, quant.MXFP4)), jnp.uint8),

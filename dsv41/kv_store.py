@@ -2,8 +2,10 @@
 
 A store is a [B, T, ...] leaf of `cache.Cache`: the FP8 window ring (slot p % W holds position p), a Full
 layer's FP4 (or, with `kv_cache.global_kv_dtype: fp8`, FP8) entries with their E4M3 scale bytes and its
-MXFP4 indexer keys with their UE8M0 scale bytes, the one-byte codes kept as uint8 (`quant.to_bytes`). The float cache (`quant: none`, V4 compat) holds the
-values themselves, which the dequantisers pass through. Plain JAX over `dsv41.quant`: the cached attention
+MXFP4 indexer keys with their UE8M0 scale bytes, the one-byte codes kept as uint8 (`quant.to_bytes`); V4.1's main
+entries keep their bytes in pairs, as uint16 words (`to_words`: a TPU writes rows into an 8-bit array only after
+copying the whole store into another tiling, docs/decode_bytes.md). The float cache (`quant: none`, V4 compat)
+holds the values themselves, which the dequantisers pass through. Plain JAX over `dsv41.quant`: the cached attention
 step (`nn.attention.Attention.step`) and the kernels' references (`dsv41.kernels`) read the stores through these.
 """
 
@@ -22,6 +24,26 @@ def _rows(x):
     return jnp.arange(x.shape[0])[:, None]
 
 
+def to_words(bytes_u8):
+    """uint8 [..., X] (X even) -> the same bytes as uint16 words [..., X/2] (byte 2i the low half of word i)."""
+    return jax.lax.bitcast_convert_type(bytes_u8.reshape(*bytes_u8.shape[:-1], -1, 2), jnp.uint16)
+
+
+def from_words(x):
+    """The bytes of a store leaf: uint16 words [..., X/2] -> uint8 [..., X] (`to_words`' inverse); any other leaf
+    as it is."""
+    if x.dtype != jnp.uint16:
+        return x
+    return jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(*x.shape[:-1], -1)
+
+
+def _as_stored(values, store):
+    """Values to write into `store`: bytes as words for a word store, else cast to its dtype."""
+    if store.dtype == jnp.uint16 and values.dtype == jnp.uint8:
+        return to_words(values)
+    return values.astype(store.dtype)
+
+
 def ring_positions(lengths_B, window: int):
     """[B, W]: the position held by each ring slot (slot p % W holds p); negative where empty."""
     last = lengths_B[:, None] - 1
@@ -33,9 +55,9 @@ def write_rows(store, values_BNX, index_BN, keep_BN, layer=None):
     index), store is stacked [G, B, T, ...] and layer `layer` is written, in place."""
     if layer is not None:
         index = jnp.where(keep_BN, index_BN, store.shape[2])
-        return store.at[layer, _rows(index), index].set(values_BNX.astype(store.dtype), mode="drop")
+        return store.at[layer, _rows(index), index].set(_as_stored(values_BNX, store), mode="drop")
     index = jnp.where(keep_BN, index_BN, store.shape[1])
-    return store.at[_rows(index), index].set(values_BNX.astype(store.dtype), mode="drop")
+    return store.at[_rows(index), index].set(_as_stored(values_BNX, store), mode="drop")
 
 
 def gather_rows(store, index_BSk, layer=None):
@@ -96,7 +118,7 @@ class LayerStore:
 
 def packed(store) -> bool:
     """True when a store leaf holds the packed bytes, False for the float cache."""
-    return store.dtype == jnp.uint8
+    return store.dtype in (jnp.uint8, jnp.uint16)
 
 
 # The main KV formats the packed cache stores, by (kv_cache.global_kv_dtype, kv_cache.global_kv_scale).
@@ -141,6 +163,7 @@ def dequant_entries(packed_values, scale_bytes):
     the bytes are 8 per scale) or FP8 (16 per scale); the float cache's entries as they are."""
     if not packed(packed_values):
         return packed_values
+    packed_values = from_words(packed_values)
     scales = quant.from_bytes(scale_bytes, jnp.float8_e4m3fn)
     if packed_values.shape[-1] == scale_bytes.shape[-1] * quant.BLOCK[quant.FP8_E4M3_16]:
         return quant.dequantize_fp8_e4m3_16(quant.from_bytes(packed_values, jnp.float8_e4m3fn), scales)

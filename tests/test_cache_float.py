@@ -75,7 +75,7 @@ def test_cache_leaves_are_floats_for_quant_none_and_packed_for_qat():
         assert [(x.shape, x.dtype) for x in (fc.entries, fc.entry_scales, fc.index_keys, fc.index_scales)] == [
             ((2, t, k), jnp.float32), ((2, t, 0), jnp.uint8), ((2, t, d_i), jnp.float32), ((2, t, 0), jnp.uint8)]
         assert [(x.shape, x.dtype) for x in (qc.entries, qc.entry_scales, qc.index_keys, qc.index_scales)] == [
-            ((2, t, k // 2), jnp.uint8), ((2, t, k // 16), jnp.uint8), ((2, t, d_i // 2), jnp.uint8),
+            ((2, t, k // 4), jnp.uint16), ((2, t, k // 16), jnp.uint8), ((2, t, d_i // 2), jnp.uint8),
             ((2, t, d_i // 32), jnp.uint8)]
         assert fc.leftover.shape == qc.leftover.shape == (2, ratio - 1, 2 * k)
     assert cache_lib.quantised(q) and not cache_lib.quantised(f)

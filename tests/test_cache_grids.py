@@ -43,6 +43,12 @@ def fp8_main():
     return cfg, inter, cache
 
 
+def stored_bytes(entries):
+    """The main entries' bytes: the cache keeps them in pairs as little-endian uint16 words."""
+    assert entries.dtype == np.uint16, entries.dtype
+    return np.ascontiguousarray(np.asarray(entries)).view("<u1")
+
+
 def fp4(packed):
     """uint8 [..., D/2] -> float64 [..., D]: the even element is the low nibble."""
     codes = np.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1).astype(np.uint8)
@@ -63,7 +69,7 @@ def test_main_entries_and_indexer_keys(both):
         ratio = dict((r.index, r.ratio) for r in cache_lib.layer_plan(cfg))[layer]
         t = N // ratio
         e4m3 = np.asarray(store.entry_scales)[0, :t].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-        entries = blocks(fp4(np.asarray(store.entries)[0, :t]), e4m3, 16)
+        entries = blocks(fp4(stored_bytes(store.entries)[0, :t]), e4m3, 16)
         np.testing.assert_array_equal(entries.astype(np.float32), recorded(inter, layer, "entries"))
         ue8m0 = np.asarray(store.index_scales)[0, :t].view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
         keys = blocks(fp4(np.asarray(store.index_keys)[0, :t]), ue8m0, 32)
@@ -95,9 +101,9 @@ def test_fp8_main_entries(fp8_main):
     for layer, store in cache_lib.layer_stores(cfg, cache).items():
         ratio = dict((r.index, r.ratio) for r in cache_lib.layer_plan(cfg))[layer]
         t = N // ratio
-        assert store.entries.shape[-1] == cfg.architecture.head_dim  # one byte an element
+        assert stored_bytes(store.entries).shape[-1] == cfg.architecture.head_dim  # one byte an element
         e4m3 = np.asarray(store.entry_scales)[0, :t].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-        codes = np.asarray(store.entries)[0, :t].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+        codes = stored_bytes(store.entries)[0, :t].view(ml_dtypes.float8_e4m3fn).astype(np.float64)
         assert np.isfinite(codes).all() and (e4m3 >= 2.0**-9).all() and (np.abs(codes) <= 448).all()
         if layer == first:
             np.testing.assert_array_equal(blocks(codes, e4m3, 16).astype(np.float32),
