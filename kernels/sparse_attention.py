@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from dsv41.kernels import quant_pack as qp
-from dsv41.kv_store import dequant_entries, dequant_window, gather_rows, ring_positions
+from dsv41.kv_store import dequant_entries, dequant_window, from_words, gather_rows, ring_positions
 from dsv41.nn.attend import attend_step
 
 HI = lax.Precision.HIGHEST
@@ -129,7 +129,8 @@ def sparse_attention(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST
 
     q [B, S, H, K] (float32 or bfloat16); window value bytes uint8 [B, Tw, K] (FP8 E4M3) and scale bytes
     uint8 [B, Tw, K/32] (UE8M0) — the keys a chunk's queries may see (ring and new tokens), window_ok
-    bool [B, S, Tw]; the layer's packed entries uint8 [B, N, K/2] and E4M3 scale bytes uint8 [B, N, K/16];
+    bool [B, S, Tw]; the layer's packed entries uint8 [B, N, K/2] (or, as the cache keeps them, the same bytes
+    as uint16 words [B, N, K/4], `kv_store.to_words`) and E4M3 scale bytes uint8 [B, N, K/16];
     picks int32 [B, S, k] into N (−1: skip); sink [H]. Returns [B, S, H, K] in q's dtype. The window tile is
     dequantised per query here (the decode case, S = 1, is the one that must not re-read it).
     """
@@ -143,8 +144,10 @@ def sparse_attention(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST
     for name, shape in want.items():
         if tuple(got[name]) != shape:
             raise ValueError(f"{name}.shape={tuple(got[name])}: expected {shape} for q of shape {q_BSHK.shape}")
-    if entries_BNK2.shape != (b, entries_BNK2.shape[1], k // 2):
-        raise ValueError(f"entries.shape={entries_BNK2.shape}: expected (B, N, K/2) = ({b}, N, {k // 2})")
+    per = 2 if entries_BNK2.dtype == jnp.uint16 else 1  # bytes per stored element
+    if entries_BNK2.shape != (b, entries_BNK2.shape[1], k // 2 // per):
+        raise ValueError(f"entries.shape={entries_BNK2.shape}: expected (B, N, K/2) = ({b}, N, {k // 2}) bytes"
+                         f" (uint16 words: K/4 = {k // 4})")
     if block_keys <= 0 or block_keys % 32:
         raise ValueError(f"block_keys={block_keys}: expected a positive multiple of 32 (8-bit tiles are 32 rows)")
     backend = backend or jax.default_backend()
@@ -153,7 +156,7 @@ def sparse_attention(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST
     rows = b * s
 
     # The picked rows, gathered by XLA (module doc: Mosaic cannot DMA one 8-bit row).
-    sel_vals = gather_rows(entries_BNK2, picks_BSk).reshape(rows, n_sel, k // 2)
+    sel_vals = from_words(gather_rows(entries_BNK2, picks_BSk)).reshape(rows, n_sel, k // 2)
     sel_scales = gather_rows(entry_scales_BNX, picks_BSk).reshape(rows, n_sel, k // 16)
     sel_ok = (picks_BSk >= 0).astype(jnp.int32).reshape(rows, 1, n_sel)
     win_ok = window_ok_BST.astype(jnp.int32).reshape(rows, 1, t_win)

@@ -33,7 +33,7 @@ from flax import nnx
 
 from dsv41 import kv_store, quant
 from dsv41.kernels import dispatch
-from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, from_words, packed, ring_positions
+from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, packed, ring_positions
 from dsv41.nn import indexer as ix
 from dsv41.nn.attend import NEG_INF, Handoff, attend_step, window_keys, window_mask
 from dsv41.nn.compressor import Compressor
@@ -393,7 +393,7 @@ class Attention(nnx.Module):
             picks_BSk = jnp.full((b, s, 1), -1, jnp.int32)
         else:
             store = stores[self.record.kv_source]
-            entries, entry_scales = from_words(store.get("entries")), store.get("entry_scales")
+            entries, entry_scales = store.get("entries"), store.get("entry_scales")  # the kernel reads words too
         return dispatch.sparse_attention_chunk(q_BSHK, values_BTK, scales_BTX, mask_w, entries, entry_scales, picks_BSk,
                                                self.attn_sink[...], self.head_dim ** -0.5, mode=self.kernel_impl(),
                                                layout=self.policy.lowering.layout)
