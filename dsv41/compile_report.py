@@ -59,8 +59,8 @@ def report_config(cfg, weights: str, kernels: str):
 
 def abstract_inputs(cfg, mesh, rules, *, weights: str, batch: int, seq: int, context: int, engram_host: bool):
     """ShapeDtypeStructs with shardings for (params, cache, tokens, counts, engram ids) and the params'
-    shardings. fp8: every bf16 matrix except the embedding and the Engram tables stored as E4M3 (the
-    released FP8 weights; the 32×32 block scales, 1/1024 of the bytes, are left out)."""
+    shardings. fp8: every bf16 matrix except the embedding stored as E4M3 (the released FP8 weights and
+    Engram tables; the 32×32 block scales, 1/1024 of the bytes, are left out)."""
     abstract = model_lib.abstract_params(cfg)
     shardings = sh.param_shardings(cfg, mesh, rules, abstract)
 
@@ -69,7 +69,7 @@ def abstract_inputs(cfg, mesh, rules, *, weights: str, batch: int, seq: int, con
         x, sharding = v.get_value(), s.get_value()
         dtype = x.dtype
         engram = ".table" in name.replace("/", ".") and "engram" in name
-        if weights == "fp8" and dtype == jnp.bfloat16 and len(x.shape) >= 2 and not engram and name != "embed":
+        if weights == "fp8" and dtype == jnp.bfloat16 and len(x.shape) >= 2 and name != "embed":
             dtype = jnp.float8_e4m3fn
         if engram and engram_host:
             sharding = NamedSharding(mesh, sharding.spec, memory_kind="pinned_host")
@@ -91,6 +91,19 @@ def abstract_inputs(cfg, mesh, rules, *, weights: str, batch: int, seq: int, con
         shape = (batch, seq, len(e.layers), (e.max_ngram - 1) * e.heads_per_ngram)
         ids = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh.batch_sharding(mesh, rules, shape, "engram_ids"))
     return (params, cache, tok, counts, ids), pshard
+
+
+def _host_bytes_per_host(tree) -> int:
+    """The most host memory one host gives the leaves kept there: each chip's shard counted on its own host
+    (a table replicated over a host's chips is held once per chip)."""
+    per_host = {}
+    for x in jax.tree.leaves(tree):
+        if x.sharding.memory_kind != "pinned_host":
+            continue
+        shard = math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+        for d in x.sharding.device_set:
+            per_host[d.process_index] = per_host.get(d.process_index, 0) + shard
+    return max(per_host.values(), default=0)
 
 
 def _leaf_bytes(tree, host: bool) -> int:
@@ -218,6 +231,7 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
     memory["params_on_device"] = _leaf_bytes(args[0], host=False)
     memory["cache"] = _leaf_bytes(args[1], host=False)
     memory["engram_host"] = _leaf_bytes(args[0], host=True)
+    memory["engram_host_per_host"] = _host_bytes_per_host(args[0])
     memory["host_arguments"] = int(getattr(mem, "host_argument_size_in_bytes", 0))
     memory["host_temporaries"] = int(getattr(mem, "host_temp_size_in_bytes", 0))
     program = hlo_cost.Program(hlo)
@@ -390,7 +404,8 @@ def format_report(r: dict) -> str:
                   f"  per chip: arguments {g(m['arguments'])} (params {g(m['params_on_device'])}, "
                   f"cache {g(m['cache'])}), temporaries {g(m['temporaries'])}, total {g(m['total'])} of {hbm} HBM"
                   f"{'' if m['fits'] is None else (' — fits' if m['fits'] else ' — DOES NOT FIT')}",
-                  f"  Engram tables in host memory: {g(m['engram_host'])} per chip",
+                  f"  Engram tables in host memory: {g(m['engram_host'])} per chip, {g(m['engram_host_per_host'])} "
+                  "per host",
                   f"  XLA FLOPs per token: {s['flops_per_token']:.4g} ({s['flops_per_chip']:.4g} per chip per step), "
                   "counted with one matmul per expert pick",
                   f"  analytic matmul FLOPs per token: {s['analytic_flops_per_token']['matmul']:.4g} (XLA "

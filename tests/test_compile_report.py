@@ -87,7 +87,8 @@ def _engram_check():
     a = r["decode"]["analytic_flops_per_token"]
     assert 1.0 <= a["xla_over_analytic"] < 1.5 and a["weighted"] < a["matmul"], a
     rows = dsv41.engram_hash.EngramLayout.from_config(cr.report_config(cfg, "fp8", "reference")).rows_per_layer[0]
-    assert m["engram_host"] == rows * 16 * 2               # one bf16 table, whole on each chip's host
+    assert m["engram_host"] == rows * 16                   # one FP8 table as released, whole on each chip's host
+    assert m["engram_host_per_host"] == 4 * m["engram_host"]  # v5p:2x2x1 is one host of 4 chips, a copy each
     assert m["total"] >= m["arguments"] > 0 and m["fits"]
     assert r["decode"]["flops_per_token"] > 0 and r["decode"]["compile_s"] > 0
     # Experts split over 4 chips: each holds a quarter of the routed experts' fp8 bytes and all of the rest
