@@ -37,8 +37,6 @@ HBM_BYTES = {"TPU v4": 32 * GIB, "TPU v5 lite": 16 * GIB, "TPU v5": 95 * GIB, "T
 WEIGHTS = ("fp8", "bf16")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                "ragged-all-to-all")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
-          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 
 
 def topology_devices(topology: str):
@@ -126,9 +124,7 @@ def collective_bytes(hlo_text: str) -> dict:
         if not m or "-done" in line:
             continue
         kind = m.group(2)
-        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
-            if dtype in _BYTES:
-                out[kind] += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+        out[kind] += int(hlo_cost.shape_bytes(m.group(1)))
         count[kind] += 1
     return {k: {"ops": count[k], "bytes": out[k]} for k in COLLECTIVES if count[k]}
 
@@ -163,8 +159,8 @@ def weight_copies(hlo_text: str, min_bytes: int = 4096) -> dict:
     call = re.compile(r"=\s*(\w+)\[([\d,]*)\][^ ]*\s+fusion\(.*calls=%([\w.\-]+)")
     for line in hlo_text.splitlines():
         m = call.search(line)
-        if m and m.group(3) in widening and m.group(1) in _BYTES and _BYTES[m.group(1)] > 1:
-            size = _BYTES[m.group(1)] * math.prod(int(d) for d in m.group(2).split(",") if d)
+        if m and m.group(3) in widening and hlo_cost.element_bytes(m.group(1)) > 1:
+            size = hlo_cost.element_bytes(m.group(1)) * math.prod(int(d) for d in m.group(2).split(",") if d)
             if size >= min_bytes:
                 count, total = count + 1, total + size
     return {"ops": count, "bytes": total}
@@ -215,7 +211,7 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
     # FLOPs come from the same step lowered with every loop unrolled (`lowered_flops_per_token`).
     per_token = lowered_flops_per_token(cfg, batch=batch, context=context, weights=weights, seq=seq)
     flops = per_token * batch * seq / chips
-    analytic = flop_model.flops_per_token(cfg, context=context, seq=seq)
+    analytic = flop_model.flops_per_token(cfg, context=context, seq=seq, weights=weights)
     hbm = HBM_BYTES.get(mesh.devices.flat[0].device_kind)
     memory = {
         "arguments": int(mem.argument_size_in_bytes),
@@ -309,7 +305,7 @@ def context_sweep(cfg, contexts, batch: int, weights: str) -> list[dict]:
         r["relative_to_4k"] = r["flops_per_token"] / rows[0]["flops_per_token"]
         r["score_everything_relative_to_4k"] = (r["score_everything_flops_per_token"]
                                                 / rows[0]["score_everything_flops_per_token"])
-    for r, a in zip(rows, flop_model.weighted_sweep(cfg, [r["context"] for r in rows])):
+    for r, a in zip(rows, flop_model.weighted_sweep(cfg, [r["context"] for r in rows], weights)):
         r["analytic"] = {k: a[k] for k in ("flops", "weighted", "flops_relative", "weighted_relative")}
     return rows
 
