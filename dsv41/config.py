@@ -436,6 +436,10 @@ def _validate_csa2(cfg) -> None:
         raise ConfigError("runtime.score_tile", cfg.runtime.score_tile,
                           f"expected a positive multiple of csa2.indexer.hierarchical.positions_per_block "
                           f"({h.positions_per_block}): a tile holds whole candidate-pool blocks")
+    qb = cfg.runtime.query_block
+    if isinstance(qb, bool) or not isinstance(qb, int) or qb < 0:
+        raise ConfigError("runtime.query_block", qb,
+                          "expected a whole number of queries ≥ 0 (0: the whole sequence at once)")
     if h.enabled and ix.top_k > h.candidate_pool_size:
         raise ConfigError("csa2.indexer.top_k", ix.top_k,
                           f"expected at most the candidate pool size ({h.candidate_pool_size}): "

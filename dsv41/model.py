@@ -112,8 +112,9 @@ def _inputs(cfg, tokens, engram_ids_BSLC, token_map):
 def forward_with_intermediates(params: nnx.State, cfg, tokens, *, engram_ids_BSLC=None, token_map=None):
     """(logits, intermediates): as `forward`, plus what the layers record for inspection — per layer i,
     intermediates[i] = {name: array} nested like the layer's modules: the collapsed attention input
-    ("attn_input"), the window keys, entries, indexer keys, picks and candidate-pool blocks (under
-    "attn") and the routed experts (under "ffn")."""
+    ("attn_input"), the window keys, entries, indexer keys, picks and the candidate pool's block ids
+    ("pool_ids"; with every query at once also as a mask, "pool_blocks") under "attn", and the routed experts
+    (under "ffn")."""
     tokens, positions, ids = _inputs(cfg, tokens, engram_ids_BSLC, token_map)
     return _forward(config_key(cfg), None, params, tokens, positions, ids, True)
 

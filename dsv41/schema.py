@@ -95,9 +95,11 @@ _V41 = {
     # prompt token through every layer (exact); "ced" runs them through the encoder and the decoder's
     # KV projections, and only the last decoder_replay_tokens through the decoder.
     # kernels (DESIGN §8, §11): auto = Pallas on TPU/GPU, the XLA reference on CPU. score_tile: the entries
-    # the cached steps' XLA indexer scores per loop trip, over the filled tiles only (DESIGN §6).
+    # the cached steps' XLA indexer scores per loop trip, over the filled tiles only (DESIGN §6). query_block:
+    # the whole-sequence forward (training) runs a longer sequence's attention in blocks of this many queries,
+    # in memory linear in its length (0: every query at once, memory quadratic).
     "runtime": {"param_dtype": "float32", "compute_dtype": "float32", "prefill_schedule": "full", "kernels": "auto",
-                "score_tile": 1024},
+                "score_tile": 1024, "query_block": 512},
     # Model dimensions (DESIGN §2): the block the user schema does not have.
     "architecture": {
         "family": V41,

@@ -37,6 +37,7 @@ from dsv41 import model as model_lib
 from dsv41 import schema
 from dsv41.errors import ConfigError
 from dsv41.nn import indexer as ix
+from dsv41.nn.attend import band_source, over_query_blocks, window_mask
 from dsv41.nn.moe import BalanceBias
 from dsv41.nn.rope import apply_rope
 from dsv41.plan import FULL, REINDEX, layer_plan, layer_stacks
@@ -184,6 +185,11 @@ def indexer_kl(model, rows: list[dict], positions_BS, kl_over: str):
         attn = block.attn
         if attn.indexer is None:
             continue
+        if 0 < attn.query_block < positions_BS.shape[1]:
+            kl, has = _layer_kl_blocks(model, rows, i, positions_BS, kl_over)
+            total += jnp.sum(kl)
+            count += jnp.sum(has)
+            continue
         inv = np.asarray(attn.inv_freq, np.float32)
         cinv = np.asarray(attn.compressed_inv_freq, np.float32)
         x = sg(block.attn_norm(row["attn_input"]))
@@ -228,6 +234,79 @@ def indexer_kl(model, rows: list[dict], positions_BS, kl_over: str):
     return total, count
 
 
+def _layer_kl_blocks(model, rows: list[dict], i: int, positions_BS, kl_over: str):
+    """Layer i's term of `indexer_kl` per query (kl [B, S], has [B, S]), `query_block` queries at a time as
+    the blockwise forward runs (`Attention._blockwise`), in memory linear in S: the main attention's logits
+    over the query's window band and its candidate entries — its picks ("selected"), its candidate pool's
+    entries (a Reindex layer, "selectable"), or every visible entry (a Full layer, "selectable", the only
+    part whose arithmetic grows as S·T) — and the indexer's scores over the same entries."""
+    sg = jax.lax.stop_gradient
+    rec, row = model.plan[i], rows[i]
+    block = model.layer(i)
+    attn = block.attn
+    inv = np.asarray(attn.inv_freq, np.float32)
+    cinv = np.asarray(attn.compressed_inv_freq, np.float32)
+    x = sg(block.attn_norm(row["attn_input"]))
+    qr = sg(attn.q_norm(attn.wq_a(x)))
+    b, s, _ = x.shape
+    q = apply_rope(attn.wq_b(qr).reshape(b, s, attn.heads, attn.head_dim), positions_BS, inv)
+    qI, w = attn.indexer.query(x, qr, positions_BS, cinv, attn.fake_quant)
+    entries = sg(rows[rec.kv_source]["entries"]).astype(q.dtype)
+    source_block = model.layer(rec.kv_source)
+    source = source_block.attn
+    latent = sg(source.compressor(source_block.attn_norm(rows[rec.kv_source]["attn_input"])))
+    keys = source.indexer.keys(latent, ix.entry_positions(latent, rec.ratio), cinv, attn.fake_quant)
+    window, qb, scale = attn.window, attn.query_block, attn.head_dim ** -0.5
+    padded = -(-s // qb) * qb
+    win_keys, win_pos, win_ok = band_source(row["window_kv"], positions_BS, window, padded)
+    if kl_over == "selected":
+        chosen = row["picks"]
+    elif rec.candidate_source is not None:
+        chosen = rows[rec.candidate_source]["pool_ids"]
+    else:
+        chosen = None  # every visible entry
+    sink = attn.attn_sink[...].astype(jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    gather = jax.vmap(lambda t, ids: t[ids])
+
+    def one(n, q_b, qI_b, w_b, pos_b, chosen_b):
+        span = qb + window
+        keys_b, kpos_b, kok_b = (jax.lax.dynamic_slice_in_dim(a, n * qb, span, axis=1)
+                                 for a in (win_keys, win_pos, win_ok))
+        win_mask = kok_b[:, None, :] & window_mask(pos_b, kpos_b, window)
+        if chosen_b is None:
+            allowed = ix.visible_entries(pos_b, rec.ratio, entries.shape[1])
+            ent = lambda q_h: jnp.einsum("bqk,btk->bqt", q_h, entries, precision=hi)
+            scores = ix.lightning_scores(qI_b, keys, w_b, allowed, group=1)
+        else:
+            if kl_over == "selected":
+                ids, allowed = chosen_b, chosen_b >= 0
+            else:
+                ids, allowed = ix.pool_entries(chosen_b, attn.pool_block_size, (pos_b + 1) // rec.ratio)
+            ids = jnp.maximum(ids, 0)
+            chosen_entries = gather(entries, ids)  # [B, Q, C, K]
+            ent = lambda q_h: jnp.einsum("bqk,bqck->bqc", q_h, chosen_entries, precision=hi)
+            scores = ix.lightning_scores_per_query(qI_b, gather(keys, ids), w_b, allowed, group=1)
+
+        def head(h, acc):  # one head's softmax over [window | entries | sink], its entries' part added up
+            q_h = sg(jax.lax.dynamic_index_in_dim(q_b, h, axis=2, keepdims=False))  # [B, Q, K]
+            lw = jnp.where(win_mask, jnp.einsum("bqk,btk->bqt", q_h, keys_b, precision=hi) * scale, -jnp.inf)
+            le = jnp.where(allowed, ent(q_h) * scale, -jnp.inf)
+            top = jnp.maximum(jnp.maximum(lw.max(-1), le.max(-1)), sink[h])[..., None]
+            pe = jnp.exp(le - top)
+            den = jnp.exp(sink[h] - top) + jnp.exp(lw - top).sum(-1, keepdims=True) + pe.sum(-1, keepdims=True)
+            return acc + pe / den
+
+        probs = jax.lax.fori_loop(0, attn.heads, head, jnp.zeros(allowed.shape, jnp.float32))  # [B, Q, C]
+        target = sg(probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30))
+        log_q = jax.nn.log_softmax(scores, axis=-1)
+        kl = jnp.sum(jnp.where(allowed, target * (jnp.log(jnp.maximum(target, 1e-30)) - log_q), 0.0), axis=-1)
+        has = allowed.any(-1)
+        return jnp.where(has, kl, 0.0), has
+
+    return over_query_blocks(one, qb, q, qI, w, positions_BS, chosen, pads=(0, 0, 0, -1, -1))
+
+
 def expert_load(model, rows: list[dict]) -> dict[int, jax.Array]:
     """{layer: tokens routed to each expert [E] (fp32)} for the layers with a BalanceBias."""
     out = {}
@@ -269,6 +348,48 @@ def _check_batch(batch: dict):
             raise ValueError(f"batch[{k!r}]: shape {batch[k].shape}: expected [batch, seq] = {shape}")
 
 
+def _loss_fn(cfg, tc: TrainConfig):
+    """losses(params, buffers, batch, n_tokens, n_rows) -> (loss, (Σ ce, Σ kl, expert load)) of one (micro-)batch,
+    the sums over the whole batch's denominators (so micro-batch gradients add up to the batch's)."""
+    graphdef = model_lib.graphdef(model_lib.config_key(cfg))
+    use_kl = tc.indexer_kl_weight > 0 and cfg.architecture.family == schema.V41
+
+    def losses(params, buffers, mb, n_tokens, n_rows):
+        model = nnx.merge(graphdef, params, buffers)
+        s = mb["inputs"].shape[1]
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), mb["inputs"].shape)
+        logits, rows = _forward_records(model, mb["inputs"], positions, tc.remat, mb.get("engram_ids"))
+        mask = mb["loss_mask"].astype(jnp.float32)
+        ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), mb["targets"][..., None], -1)[..., 0]
+        ce_sum = jnp.sum(ce * mask)
+        kl_sum = indexer_kl(model, rows, positions, tc.kl_over)[0] if use_kl else jnp.zeros(())
+        loss = (0.0 if tc.freeze_main else ce_sum / n_tokens) + tc.indexer_kl_weight * kl_sum / n_rows
+        return loss, (ce_sum, kl_sum, expert_load(model, rows))
+
+    return losses
+
+
+def loss_and_grads(cfg, tc: TrainConfig, variables: nnx.State, batch: dict):
+    """(metrics {loss, ce, kl}, gradients of the Param leaves) of one batch at `variables` (`init_params`'
+    state), as `train_step` computes them before its update (no accumulation, no clipping): what the blockwise
+    and whole-sequence forwards are compared by, and what a custom optimiser loop can start from."""
+    _check_batch(batch)
+    batch = with_engram_ids(cfg, batch)
+    params, buffers = split_variables(variables)
+    b, s = batch["inputs"].shape
+    n_tokens = jnp.maximum(jnp.sum(jnp.asarray(batch["loss_mask"], jnp.float32)), 1.0)
+    n_rows = float(max(kl_rows(cfg, b, s), 1))
+    grads, (ce_sum, kl_sum, _) = _jitted_grads(model_lib.config_key(cfg), tc)(params, buffers, batch, n_tokens,
+                                                                             n_rows)
+    ce, kl = ce_sum / n_tokens, kl_sum / n_rows
+    return {"loss": (0.0 if tc.freeze_main else ce) + tc.indexer_kl_weight * kl, "ce": ce, "kl": kl}, grads
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_grads(key: str, tc: TrainConfig):
+    return jax.jit(jax.grad(_loss_fn(model_lib.config_from_key(key), tc), has_aux=True))
+
+
 def make_train_step(cfg, tc: TrainConfig):
     """The jitted pure `train_step(state, batch) -> (state, metrics)` of a config.
 
@@ -281,22 +402,7 @@ def make_train_step(cfg, tc: TrainConfig):
     graphdef = model_lib.graphdef(key)
     opt = optimizer(tc)
     lr = schedule(tc)
-    use_kl = tc.indexer_kl_weight > 0 and cfg.architecture.family == schema.V41
-
-    def losses(params, buffers, mb, n_tokens, n_rows):
-        model = nnx.merge(graphdef, params, buffers)
-        s = mb["inputs"].shape[1]
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), mb["inputs"].shape)
-        logits, rows = _forward_records(model, mb["inputs"], positions, tc.remat, mb.get("engram_ids"))
-        mask = mb["loss_mask"].astype(jnp.float32)
-        ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), mb["targets"][..., None], -1)[..., 0]
-        ce_sum = jnp.sum(ce * mask)
-        kl_sum = indexer_kl(model, rows, positions, tc.kl_over)[0] if use_kl else jnp.zeros(())
-        # Sums over global denominators: micro-batch gradients add up to the whole batch's.
-        loss = (0.0 if tc.freeze_main else ce_sum / n_tokens) + tc.indexer_kl_weight * kl_sum / n_rows
-        return loss, (ce_sum, kl_sum, expert_load(model, rows))
-
-    grad_fn = jax.grad(losses, has_aux=True)
+    grad_fn = jax.grad(_loss_fn(cfg, tc), has_aux=True)
 
     @jax.jit
     def train_step(state: TrainState, batch: dict):

@@ -74,6 +74,36 @@ def window_keys(keys_BTK, key_pos_BT, key_ok_BT, positions_BS, window: int):
     return blocks(keys), mask.reshape(mask.shape[0], nb * window, 2 * window)
 
 
+def band_source(kv_BSK, positions_BS, window: int, length: int):
+    """(keys [B, W + L, K], their positions, their validity) of a whole sequence's window keys for
+    `over_query_blocks`: W invalid keys in front and the sequence padded to L (≥ S) behind, so that the
+    queries of block n (block size Q) find their window band at keys n·Q … n·Q + Q + W − 1."""
+    b, s = positions_BS.shape
+    pad = [(0, 0), (window, length - s)]
+    return (jnp.pad(kv_BSK, pad + [(0, 0)]), jnp.pad(positions_BS, pad, constant_values=-1),
+            jnp.pad(jnp.ones((b, s), bool), pad))
+
+
+def over_query_blocks(fn, block: int, *arrays, pads, remat: bool = True):
+    """fn(n, *blocks) over the blocks of `block` queries of a sequence, as one `lax.scan`: each array [B, S, …]
+    (or None) is padded to a whole number of blocks with its value in `pads` and cut into blocks [B, Q, …];
+    fn returns a pytree of [B, Q, …] arrays (or None), stitched back to [B, S, …]. remat: each block under
+    `jax.checkpoint`, so that the backward pass keeps a block's inputs only (memory linear in S)."""
+    s = next(a for a in arrays if a is not None).shape[1]
+    nb = -(-s // block)
+
+    def cut(a, value):
+        if a is None:
+            return None
+        a = jnp.pad(a, [(0, 0), (0, nb * block - s)] + [(0, 0)] * (a.ndim - 2), constant_values=value)
+        return jnp.moveaxis(a.reshape(a.shape[0], nb, block, *a.shape[2:]), 1, 0)
+
+    body = jax.checkpoint(fn, prevent_cse=False) if remat else fn
+    xs = (jnp.arange(nb, dtype=jnp.int32), *(cut(a, v) for a, v in zip(arrays, pads, strict=True)))
+    _, out = jax.lax.scan(lambda carry, x: (carry, body(*x)), None, xs)
+    return jax.tree.map(lambda o: jnp.moveaxis(o, 0, 1).reshape(o.shape[1], nb * block, *o.shape[3:])[:, :s], out)
+
+
 def attend_step(q_BSHK, keys_w, mask_w, sel_BSkK, sel_ok_BSk, sink_H, scale: float, shared=None):
     """One softmax with the sink over the window keys (shared by the chunk, or banded blocks from
     `window_keys`), each query's own selected entries and, when given, `shared` = (keys [B, T, K],

@@ -35,7 +35,8 @@ from dsv41 import kv_store, quant
 from dsv41.kernels import dispatch
 from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, packed, ring_positions
 from dsv41.nn import indexer as ix
-from dsv41.nn.attend import NEG_INF, Handoff, attend_step, window_keys, window_mask
+from dsv41.nn.attend import (NEG_INF, Handoff, attend_step, band_source, over_query_blocks, window_keys,
+                             window_mask)
 from dsv41.nn.compressor import Compressor
 from dsv41.nn.linear import Dense, param
 from dsv41.nn.norm import RMSNorm, rms_normalize
@@ -70,6 +71,9 @@ class Attention(nnx.Module):
         self.wo_b = Dense(a.o_groups * a.o_lora_rank, d, ("o_proj", "embed"), policy=policy, rngs=rngs)
         self.attn_sink = nnx.Param(jnp.zeros((h,), jnp.float32), out_sharding=("heads",), eager_sharding=False)
         self.policy = policy
+        # The whole-sequence form over blocks of this many queries when the sequence is longer (0: every query
+        # at once): memory linear in the sequence length (`_blockwise`).
+        self.query_block = int(cfg.runtime.query_block)
         self._build_compressed_branch(cfg, builds_pool, policy, rngs)
 
     def _build_compressed_branch(self, cfg, builds_pool: bool, policy: Policy, rngs: nnx.Rngs):
@@ -123,6 +127,8 @@ class Attention(nnx.Module):
         if self.fake_quant:
             kv = self.window_fake_quant(kv)
         self.sow(nnx.Intermediate, "window_kv", kv)
+        if 0 < self.query_block < x_BSD.shape[1]:
+            return self._blockwise(x_BSD, qr, q, kv, positions_BS, published)
 
         keys, mask = kv, window_mask(positions_BS, positions_BS, self.window)
         mine = None
@@ -161,8 +167,10 @@ class Attention(nnx.Module):
                                      self.fake_quant)
         pool = None
         if self.builds_pool:
-            blocks = ix.candidate_blocks(scores, (positions_BS + 1) // rec.ratio, self.pool_max_blocks,
-                                         self.pool_block_size)
+            pool_ids = ix.candidate_block_ids(scores, (positions_BS + 1) // rec.ratio, self.pool_max_blocks,
+                                              self.pool_block_size)
+            blocks = ix.block_ids_to_mask(pool_ids, -(-num_entries // self.pool_block_size))
+            self.sow(nnx.Intermediate, "pool_ids", pool_ids)
             self.sow(nnx.Intermediate, "pool_blocks", blocks)
             pool = ix.blocks_to_entries(blocks, self.pool_block_size, num_entries)
         if rec.candidate_source is not None:
@@ -171,6 +179,107 @@ class Attention(nnx.Module):
         self.sow(nnx.Intermediate, "picks", picks)
         return Handoff(entries=entries, index_keys=index_keys, picks=picks,
                        selected=ix.indices_to_mask(picks, num_entries), pool=pool)
+
+    def _blockwise(self, x_BSD, qr_BSQ, q_BSHK, kv_BSK, positions_BS, published: dict):
+        """`__call__` over blocks of `query_block` queries, in memory linear in the sequence length: each block
+        scores the entries (`_select_blocks`) and attends its window band and its own picked entries, gathered
+        (`attend_step`, as the cached step does), under `jax.checkpoint` (the backward pass recomputes a block).
+        The picks are the whole-sequence form's (the same scores and top-k per query); positions must count
+        0, 1, … along each row (the window is a band of the sequence)."""
+        rec = self.record
+        mine = entries = picks = None
+        if rec.ratio:
+            mine = self._publish_blocks(x_BSD, qr_BSQ, positions_BS, published)
+            seen = {**published, rec.index: mine} if mine is not None else published
+            entries = seen[rec.kv_source].entries.astype(kv_BSK.dtype)
+            picks = seen[rec.index_source].picks if rec.selects else None
+        window, sink, scale, ratio = self.window, self.attn_sink[...], self.head_dim ** -0.5, rec.ratio
+        padded = -(-x_BSD.shape[1] // self.query_block) * self.query_block
+        keys, key_pos, key_ok = band_source(kv_BSK, positions_BS, window, padded)
+
+        def attend(n, q_b, pos_b, picks_b):
+            span = q_b.shape[1] + window
+            keys_b, kpos_b, kok_b = (jax.lax.dynamic_slice_in_dim(a, n * q_b.shape[1], span, axis=1)
+                                     for a in (keys, key_pos, key_ok))
+            mask = kok_b[:, None, :] & window_mask(pos_b, kpos_b, window)
+            if picks_b is not None:
+                sel = jax.vmap(lambda e, i: e[i])(entries, jnp.maximum(picks_b, 0))  # [B, Q, k, K]
+                return attend_step(q_b, keys_b, mask, sel, picks_b >= 0, sink, scale)
+            shared = None if entries is None else (entries, ix.visible_entries(pos_b, ratio, entries.shape[1]))
+            return attend_step(q_b, keys_b, mask, None, None, sink, scale, shared)
+
+        out = over_query_blocks(attend, self.query_block, q_BSHK, positions_BS, picks, pads=(0, -1, -1))
+        return self.output(out, positions_BS), mine
+
+    def _publish_blocks(self, x_BSD, qr_BSQ, positions_BS, published: dict) -> Handoff | None:
+        """`_publish` for `_blockwise`: the same entries and indexer keys (linear in the sequence), the picks and
+        the candidate pool's block ids chosen per block of queries; the Handoff holds no [S, T] masks."""
+        rec = self.record
+        cinv = np.asarray(self.compressed_inv_freq, np.float32)
+        entries = index_keys = None
+        if rec.stores_entries:
+            latent = self.compressor(x_BSD)
+            entry_pos = ix.entry_positions(latent, rec.ratio)
+            entries = apply_rope(latent, entry_pos, cinv)
+            if self.fake_quant:
+                entries = quant.fake_quant(entries, self.main_kv)
+            self.sow(nnx.Intermediate, "entries", entries)
+            if self.indexer is not None and self.indexer.wk is not None:
+                index_keys = self.indexer.keys(latent, entry_pos, cinv, self.fake_quant)
+                self.sow(nnx.Intermediate, "index_keys", index_keys)
+        if self.indexer is None:
+            return Handoff(entries=entries, index_keys=index_keys) if entries is not None else None
+        keys = index_keys if rec.stores_entries else published[rec.kv_source].index_keys
+        pool = published[rec.candidate_source].pool_ids if rec.candidate_source is not None else None
+        sg = jax.lax.stop_gradient  # the picks take no gradient (the indexer trains by its KL alone)
+        qI, w = self.indexer.query(sg(x_BSD), sg(qr_BSQ), positions_BS, cinv, self.fake_quant)
+        picks, pool_ids = self.select_blocks(qI, w, positions_BS, sg(keys), pool)
+        self.sow(nnx.Intermediate, "picks", picks)
+        if pool_ids is not None:
+            self.sow(nnx.Intermediate, "pool_ids", pool_ids)
+        return Handoff(entries=entries, index_keys=index_keys, picks=picks, pool_ids=pool_ids)
+
+    def select_blocks(self, qI_BSJd, w_BSJ, positions_BS, keys_BTd, pool_ids_BSM=None):
+        """(picks [B, S, k], candidate-pool block ids [B, S, M] or None) of an index source over the whole
+        sequence, `query_block` queries at a time: a Full layer scores the visible entries (the filled tiles),
+        a Reindex layer only its candidate pool's entries, gathered (its scores outside the pool would be −inf:
+        the same picks). One indexer head at a time (`lightning_scores`' group)."""
+        rec, block, k = self.record, self.pool_block_size, self.top_k
+        num = keys_BTd.shape[1]
+        # A Full layer scores the entries its block's queries may see, `score_tile` at a time with a running
+        # top-k (`ix.filled_top_k`, as the cached step does): no [Q, T] scores, and the later half of the
+        # entries unscored for the earlier queries (causality). The keys padded to whole tiles.
+        tile = self.score_tile
+        padded = jnp.pad(keys_BTd, [(0, 0), (0, -(-num // tile) * tile - num), (0, 0)])
+
+        def select(n, q_b, w_b, pos_b, pool_b):
+            visible = (pos_b + 1) // rec.ratio
+            if pool_b is not None:
+                entry, ok = ix.pool_entries(pool_b, block, visible)
+                gathered = jax.vmap(lambda t, i: t[i])(keys_BTd, entry)  # [B, Q, P, dI]
+                scores = ix.lightning_scores_per_query(q_b, gathered, w_b, ok, self.indexer.unroll, group=1)
+                return ix.pool_top_k(scores, jnp.where(ok, entry, -1), k), None
+            if self.policy.lowering.unroll_layers:  # FLOP counting: static shapes, every entry scored
+                scores = ix.lightning_scores(q_b, keys_BTd, w_b, ix.visible_entries(pos_b, rec.ratio, num),
+                                             self.indexer.unroll, group=1)
+                pool = (ix.candidate_block_ids(scores, visible, self.pool_max_blocks, block)
+                        if self.builds_pool else None)
+                return ix.top_k_indices(scores, k), pool
+
+            def tile_scores(start):  # entries start … start + tile − 1 (the padding is never visible)
+                entry = start + jnp.arange(tile)
+                keys = jax.lax.dynamic_slice_in_dim(padded, start, tile, axis=1)
+                return ix.lightning_scores(q_b, keys, w_b, entry < visible[..., None], self.indexer.unroll, group=1)
+
+            pool = (self.pool_max_blocks, block, visible) if self.builds_pool else None
+            picks, pool_ids = ix.filled_top_k(tile_scores, visible.shape, padded.shape[1], tile, jnp.max(visible), k,
+                                              pool)
+            if pool_ids is not None:  # blocks past the sequence's entries are never kept: its own block count
+                pool_ids = jnp.where(pool_ids < -(-num // block), pool_ids, -1)
+            return picks, pool_ids
+
+        return over_query_blocks(select, self.query_block, qI_BSJd, w_BSJ, positions_BS, pool_ids_BSM,
+                                 pads=(0, 0, -1, -1), remat=False)
 
     def step(self, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerStore, window_start_B,
              published: dict, stores: dict, entries_ready: bool = False):
@@ -331,10 +440,7 @@ class Attention(nnx.Module):
             pool_ids = published[rec.candidate_source].pool_ids
             scores, entry = ix.pool_gather_scores(qI, w, store, pool_ids, self.pool_block_size, visible_count,
                                                indexer.unroll)
-            local = ix.top_k_indices(scores, self.top_k)
-            picks = jnp.where(local >= 0, jnp.take_along_axis(entry, jnp.maximum(local, 0), axis=-1), -1)
-            picks = jnp.sort(jnp.where(picks < 0, jnp.iinfo(jnp.int32).max, picks), axis=-1)
-            return Handoff(picks=jnp.where(picks == jnp.iinfo(jnp.int32).max, -1, picks))
+            return Handoff(picks=ix.pool_top_k(scores, entry, self.top_k))
         num, tile = store.leaves["index_keys"].shape[-2], self.score_tile
         if tile < num and num % self.pool_block_size == 0 and not self.policy.lowering.unroll_layers:
             return self._select_filled(qI, w, positions_BS, visible_count, published, store)

@@ -32,6 +32,7 @@ class AttentionV4(Attention):
         a, record, ixc = cfg.architecture, self.record, cfg.v4.indexer
         self.top_k = ixc.top_k
         self.every_entry = True  # V4 has no candidate pool
+        self.query_block = 0  # the whole-sequence form at once: the blockwise one is V4.1's (`Attention._blockwise`)
         # V4's stored records (main entry, window row) under quant qat; the float cache stores the values.
         self.entry_record, self.window_record = kv_store.v4_records(cfg) if self.fake_quant else (None, None)
         self.compressor = (CompressorV4(a.hidden_size, a.head_dim, record.ratio, record.mode == CSA, a.norm_eps,

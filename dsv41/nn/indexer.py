@@ -98,22 +98,25 @@ class IndexerV4(Indexer):
 
 
 
-def lightning_scores(q_BSJd, keys_BTd, w_BSJ, visible_BST, unroll: bool = False):
+def lightning_scores(q_BSJd, keys_BTd, w_BSJ, visible_BST, unroll: bool = False, group: int | None = None):
     """I[t, i] = Σ_j w[t, j]·J^-½ · relu(q[t, j] · k[i]) · dI^-½ in fp32, −inf where not visible.
 
     Accumulated over groups of heads (`_accumulate`): the per-head scores [B, S, J, T] are materialised only
     where they are small. unroll: the head loop traced unrolled (`Lowering.unroll_index_heads`: XLA's cost
-    analysis counts a loop body once, so FLOP reports trace it unrolled); the arithmetic is the same."""
+    analysis counts a loop body once, so FLOP reports trace it unrolled); the arithmetic is the same. group: the
+    heads scored at once (None: `heads_per_group`); 1 suits XLA:CPU, which sums the heads of a group
+    [B, S, c, T] an order of magnitude slower than it adds one head's [B, S, T] scores at a time."""
     keys = keys_BTd.astype(jnp.float32)
     return _accumulate(q_BSJd, w_BSJ, visible_BST, lambda q_BScd: jnp.einsum(
-        "bscd,btd->bsct", q_BScd, keys, precision=jax.lax.Precision.HIGHEST), unroll)
+        "bscd,btd->bsct", q_BScd, keys, precision=jax.lax.Precision.HIGHEST), unroll, group)
 
 
-def lightning_scores_per_query(q_BSJd, keys_BSPd, w_BSJ, visible_BSP, unroll: bool = False):
+def lightning_scores_per_query(q_BSJd, keys_BSPd, w_BSJ, visible_BSP, unroll: bool = False,
+                               group: int | None = None):
     """`lightning_scores` against keys gathered per query (the candidate pool): [B, S, P]."""
     keys = keys_BSPd.astype(jnp.float32)
     return _accumulate(q_BSJd, w_BSJ, visible_BSP, lambda q_BScd: jnp.einsum(
-        "bscd,bspd->bscp", q_BScd, keys, precision=jax.lax.Precision.HIGHEST), unroll)
+        "bscd,bspd->bscp", q_BScd, keys, precision=jax.lax.Precision.HIGHEST), unroll, group)
 
 
 # The head groups of `_accumulate` hold at most this many per-head scores (fp32, the whole step's rows): a
@@ -129,12 +132,12 @@ def heads_per_group(batch: int, seq: int, heads: int, keys: int) -> int:
                default=1)
 
 
-def _accumulate(q_BSJd, w_BSJ, visible_BST, dots, unroll: bool):
-    """Σ_j w_j·J^-½ · relu(dots(q_j)) · dI^-½ over the heads j, in groups of `heads_per_group` heads: dots maps
-    queries [B, S, c, d] to their scores [B, S, c, T]."""
+def _accumulate(q_BSJd, w_BSJ, visible_BST, dots, unroll: bool, group: int | None = None):
+    """Σ_j w_j·J^-½ · relu(dots(q_j)) · dI^-½ over the heads j, in groups of `group` heads (None:
+    `heads_per_group`): dots maps queries [B, S, c, d] to their scores [B, S, c, T]."""
     heads, head_dim = q_BSJd.shape[-2:]
     b, s, t = visible_BST.shape
-    c = heads_per_group(b, s, heads, t)
+    c = heads_per_group(b, s, heads, t) if group is None else group
     q = q_BSJd.astype(jnp.float32).reshape(b, s, heads // c, c, head_dim)
     w = (w_BSJ.astype(jnp.float32) * heads ** -0.5).reshape(b, s, heads // c, c)
 
@@ -172,6 +175,16 @@ def top_k_indices(scores_BST, k: int):
     if k_eff < k:
         idx = jnp.pad(idx, [(0, 0)] * (idx.ndim - 1) + [(0, k - k_eff)], constant_values=-1)
     return idx
+
+
+def pool_top_k(scores_BSP, entry_BSP, k: int):
+    """`top_k_indices` over scores of gathered candidates (the candidate pool's entries, ascending; −inf where
+    not usable): the entry ids [B, S, k] of the best k, sorted ascending, −1 padded. Among equal scores the
+    lower entry id wins, as over the whole store."""
+    local = top_k_indices(scores_BSP, k)
+    picks = jnp.where(local >= 0, jnp.take_along_axis(entry_BSP, jnp.maximum(local, 0), axis=-1), -1)
+    picks = jnp.sort(jnp.where(picks < 0, jnp.iinfo(jnp.int32).max, picks), axis=-1)
+    return jnp.where(picks == jnp.iinfo(jnp.int32).max, -1, picks)
 
 
 def visible_picks(visible_count_BS, num_entries: int, k: int):

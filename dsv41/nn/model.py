@@ -184,6 +184,7 @@ class Transformer(nnx.Module):
         tables = rope.inv_freq_tables(cfg)
         pools = {r.candidate_source for r in plan if r.candidate_source is not None}
         self.streams = a.mhc.streams
+        self.query_block = int(cfg.runtime.query_block)  # the whole-sequence forward's blocks (`__call__`)
         self.plan = plan  # per layer its own record (a stack's modules hold its first group's)
         self.num_layers = len(plan)
         self.engram_layers = engram_layers(cfg)
@@ -250,7 +251,8 @@ class Transformer(nnx.Module):
         def layer(block, at, carry, published):
             x_BSND, pre = carry
             x_BSND = self.engram_step(at, x_BSND, engram_ids_BSLC)
-            x_BSND, pre, handoff = block(x_BSND, pre, lambda attn, h: attn(h, positions_BS, published), tokens_BS)
+            x_BSND, pre, handoff = block(x_BSND, pre, lambda attn, h: attn(h, positions_BS, published), tokens_BS,
+                                         self.query_block)
             if handoff is not None:
                 published = {**published, block.attn.record.index: handoff}
             return (x_BSND, pre), published

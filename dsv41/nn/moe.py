@@ -30,6 +30,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from dsv41.errors import ConfigError
 from dsv41.kernels import dispatch
+from dsv41.nn.attend import over_query_blocks
 from dsv41.nn.linear import Dense, param
 from dsv41.nn.policy import Policy
 
@@ -78,23 +79,34 @@ class MoE(nnx.Module):
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
         return weights * self.route_scale, idx
 
-    def __call__(self, x_BSD, tokens_BS=None):
+    def __call__(self, x_BSD, tokens_BS=None, token_block: int = 0):
+        """The layer's FFN output [B, S, D]. token_block > 0 (the whole-sequence forward, `runtime.query_block`):
+        on one device, rows of more tokens run their routed experts over blocks of that many tokens, each
+        under `jax.checkpoint`, so that the expansion and the values saved for the backward pass last one
+        block; per token, so the same sums."""
         shape = x_BSD.shape
         x = x_BSD.reshape(-1, shape[-1])
         weights, idx = self.route(x, None if tokens_BS is None else tokens_BS.reshape(-1))
         self.sow(nnx.Intermediate, "experts", idx.reshape(*shape[:-1], -1))
         form = expert_form(self.policy, shape[1], group_tokens(self.policy.lowering.layout, x.shape[0]))
-        y = self.routed(x, weights, idx, form)
+        y = self.routed(x, weights, idx, form, token_block if 0 < token_block < shape[1] else 0)
         if self.shared is not None:
             y = y + self.shared(x).astype(jnp.float32)
         return y.astype(x_BSD.dtype).reshape(shape)
 
-    def routed(self, x_ND, weights_Nk, idx_Nk, form=None):
+    def routed(self, x_ND, weights_Nk, idx_Nk, form=None, token_block: int = 0):
         """Σ_k weight_k · expert_{idx_k}(x) [N, D] fp32: on one device, or expert-parallel when built with
         a layout (`Policy.lowering.layout`) on a mesh of more than one device (form: `experts`')."""
         layout = self.policy.lowering.layout
         w = (self.w1[...], self.w3[...], self.w2[...])
         if layout is None or layout.mesh.size == 1:
+            if token_block:  # padding picks name an expert held nowhere (idx = G: no work)
+                def block(n, x_b, weights_b, idx_b):
+                    return experts(x_b[0], weights_b[0], idx_b[0], *w, limit=self.limit, policy=self.policy,
+                                   form=form)[None]
+
+                return over_query_blocks(block, token_block, x_ND[None], weights_Nk[None], idx_Nk[None],
+                                         pads=(0, 0, self.num_experts))[0]
             return experts(x_ND, weights_Nk, idx_Nk, *w, limit=self.limit, policy=self.policy, form=form)
         return experts_parallel(layout, x_ND, weights_Nk, idx_Nk, *w, limit=self.limit, policy=self.policy, form=form)
 
