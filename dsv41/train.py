@@ -190,12 +190,9 @@ def indexer_kl(model, rows: list[dict], positions_BS, kl_over: str):
             total += jnp.sum(kl)
             count += jnp.sum(has)
             continue
-        inv = np.asarray(attn.inv_freq, np.float32)
         cinv = np.asarray(attn.compressed_inv_freq, np.float32)
-        x = sg(block.attn_norm(row["attn_input"]))
-        qr = sg(attn.q_norm(attn.wq_a(x)))
+        x, qr, q = _kl_queries(block, row, positions_BS)
         b, s, _ = x.shape
-        q = apply_rope(attn.wq_b(qr).reshape(b, s, attn.heads, attn.head_dim), positions_BS, inv)
         entries = sg(rows[rec.kv_source]["entries"]).astype(q.dtype)
         n = entries.shape[1]
         visible = ix.visible_entries(positions_BS, rec.ratio, n)
@@ -234,6 +231,18 @@ def indexer_kl(model, rows: list[dict], positions_BS, kl_over: str):
     return total, count
 
 
+def _kl_queries(block, row: dict, positions_BS):
+    """(x, qr, q) of a layer's KL: its normalised attention input and query latent (detached) and its main
+    queries [B, S, H, K] (the target is detached where it is formed)."""
+    sg, attn = jax.lax.stop_gradient, block.attn
+    x = sg(block.attn_norm(row["attn_input"]))
+    qr = sg(attn.q_norm(attn.wq_a(x)))
+    b, s, _ = x.shape
+    q = apply_rope(attn.wq_b(qr).reshape(b, s, attn.heads, attn.head_dim), positions_BS,
+                   np.asarray(attn.inv_freq, np.float32))
+    return x, qr, q
+
+
 def _layer_kl_blocks(model, rows: list[dict], i: int, positions_BS, kl_over: str):
     """Layer i's term of `indexer_kl` per query (kl [B, S], has [B, S]), `query_block` queries at a time as
     the blockwise forward runs (`Attention._blockwise`), in memory linear in S: the main attention's logits
@@ -244,12 +253,9 @@ def _layer_kl_blocks(model, rows: list[dict], i: int, positions_BS, kl_over: str
     rec, row = model.plan[i], rows[i]
     block = model.layer(i)
     attn = block.attn
-    inv = np.asarray(attn.inv_freq, np.float32)
     cinv = np.asarray(attn.compressed_inv_freq, np.float32)
-    x = sg(block.attn_norm(row["attn_input"]))
-    qr = sg(attn.q_norm(attn.wq_a(x)))
+    x, qr, q = _kl_queries(block, row, positions_BS)
     b, s, _ = x.shape
-    q = apply_rope(attn.wq_b(qr).reshape(b, s, attn.heads, attn.head_dim), positions_BS, inv)
     qI, w = attn.indexer.query(x, qr, positions_BS, cinv, attn.fake_quant)
     entries = sg(rows[rec.kv_source]["entries"]).astype(q.dtype)
     source_block = model.layer(rec.kv_source)

@@ -144,20 +144,29 @@ class Attention(nnx.Module):
         out = attend_step(q, keys, mask, None, None, self.attn_sink[...], self.head_dim ** -0.5)
         return self.output(out, positions_BS), mine
 
+    def _entries(self, x_BSD):
+        """(entries [B, T, K], indexer keys [B, T, dI] or None) a Full layer compresses from the whole sequence
+        (recorded); (None, None) for a layer without a compressor."""
+        rec = self.record
+        if not rec.stores_entries:
+            return None, None
+        cinv = np.asarray(self.compressed_inv_freq, np.float32)
+        latent = self.compressor(x_BSD)  # [B, T, K] before RoPE
+        entry_pos = ix.entry_positions(latent, rec.ratio)
+        entries = apply_rope(latent, entry_pos, cinv)
+        if self.fake_quant:
+            entries = quant.fake_quant(entries, self.main_kv)
+        self.sow(nnx.Intermediate, "entries", entries)
+        index_keys = None
+        if self.indexer is not None and self.indexer.wk is not None:
+            index_keys = self.indexer.keys(latent, entry_pos, cinv, self.fake_quant)
+            self.sow(nnx.Intermediate, "index_keys", index_keys)
+        return entries, index_keys
+
     def _publish(self, x_BSD, qr_BSQ, positions_BS, published: dict) -> Handoff | None:
         rec = self.record
         cinv = np.asarray(self.compressed_inv_freq, np.float32)
-        entries = index_keys = None
-        if rec.stores_entries:
-            latent = self.compressor(x_BSD)  # [B, T, K] before RoPE
-            entry_pos = ix.entry_positions(latent, rec.ratio)
-            entries = apply_rope(latent, entry_pos, cinv)
-            if self.fake_quant:
-                entries = quant.fake_quant(entries, self.main_kv)
-            self.sow(nnx.Intermediate, "entries", entries)
-            if self.indexer is not None and self.indexer.wk is not None:
-                index_keys = self.indexer.keys(latent, entry_pos, cinv, self.fake_quant)
-                self.sow(nnx.Intermediate, "index_keys", index_keys)
+        entries, index_keys = self._entries(x_BSD)
         if self.indexer is None:
             return Handoff(entries=entries, index_keys=index_keys) if entries is not None else None
         source = Handoff(entries=entries, index_keys=index_keys) if rec.stores_entries else published[rec.kv_source]
@@ -216,17 +225,7 @@ class Attention(nnx.Module):
         the candidate pool's block ids chosen per block of queries; the Handoff holds no [S, T] masks."""
         rec = self.record
         cinv = np.asarray(self.compressed_inv_freq, np.float32)
-        entries = index_keys = None
-        if rec.stores_entries:
-            latent = self.compressor(x_BSD)
-            entry_pos = ix.entry_positions(latent, rec.ratio)
-            entries = apply_rope(latent, entry_pos, cinv)
-            if self.fake_quant:
-                entries = quant.fake_quant(entries, self.main_kv)
-            self.sow(nnx.Intermediate, "entries", entries)
-            if self.indexer is not None and self.indexer.wk is not None:
-                index_keys = self.indexer.keys(latent, entry_pos, cinv, self.fake_quant)
-                self.sow(nnx.Intermediate, "index_keys", index_keys)
+        entries, index_keys = self._entries(x_BSD)
         if self.indexer is None:
             return Handoff(entries=entries, index_keys=index_keys) if entries is not None else None
         keys = index_keys if rec.stores_entries else published[rec.kv_source].index_keys
