@@ -15,7 +15,10 @@ One optimiser step is the pure, jitted `train_step(state, batch) -> (state, metr
 - the MoE selection bias (`BalanceBias`) moved outside the gradient after the step, as DeepSeek-V3:
   bias_e += γ · sign(mean load − load_e);
 - rematerialisation: `remat="block"` recomputes each layer in the backward pass (jax.checkpoint per
-  block), `"dots"` keeps only the matmul outputs of each block, `"none"` keeps everything.
+  block; the blockwise forward's picks are kept), `"dots"` keeps only the matmul outputs of each block,
+  `"none"` keeps everything;
+- sequences longer than `runtime.query_block` run blockwise (`Attention._blockwise`, `_layer_kl_blocks`):
+  memory linear in the length, the same loss and gradients as every query at once.
 Only `nnx.Param` leaves are differentiated and updated by the optimiser; the other variables
 (`BalanceBias`, V4's fixed `HashRoute` tables) travel in `TrainState.buffers`.
 """
@@ -43,6 +46,7 @@ from dsv41.nn.rope import apply_rope
 from dsv41.plan import FULL, REINDEX, layer_plan, layer_stacks
 
 REMAT = ("none", "block", "dots")
+SELECTION = ("picks", "pool_ids")  # the names `Attention.select_blocks` gives its results (jax.ad_checkpoint)
 KL_OVER = ("selectable", "selected")
 
 
@@ -152,8 +156,12 @@ def abstract_state(cfg, tc: TrainConfig) -> TrainState:
 
 def _forward_records(model, tokens_BS, positions_BS, remat: str, engram_ids_BSLC=None):
     """(logits [B,S,V], per-layer records {name: array}): the model's own forward, each stack group
-    rematerialised under `remat` ("block": save nothing, "dots": save the weight matmuls)."""
-    policy = {"none": None, "block": "all", "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[remat]
+    rematerialised under `remat` ("block": save only the blockwise forward's picks, "dots": save the weight
+    matmuls)."""
+    # "block" keeps the blockwise forward's picks and pool ids (integers, `Attention.select_blocks`): the
+    # backward pass then recomputes the layers without their selection.
+    policy = {"none": None, "block": jax.checkpoint_policies.save_only_these_names(*SELECTION),
+              "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[remat]
     logits, records = model(tokens_BS, positions_BS, engram_ids_BSLC, record=True, remat=policy)
     return logits, [_flat(r) for r in records]
 

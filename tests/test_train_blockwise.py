@@ -59,16 +59,17 @@ def test_blockwise_logits_and_records_equal_every_query_at_once(name, seq, block
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kl_over", ["selectable", "selected"])
-def test_blockwise_loss_and_gradients_equal_every_query_at_once(kl_over):
+@pytest.mark.parametrize("kl_over,remat", [("selectable", "none"), ("selected", "block")])
+def test_blockwise_loss_and_gradients_equal_every_query_at_once(kl_over, remat):
     """configs/passkey.json (ratio-2 encoder, ratio-1 decoder with a Reindex layer choosing inside its
-    candidate pool), 300 tokens in blocks of 64: loss to 1e-6, gradients to 1e-4 of their norm."""
+    candidate pool), 300 tokens in blocks of 64: loss to 1e-6, gradients to 1e-4 of their norm; with
+    remat="block" the blockwise layers are recomputed keeping their picks."""
     dense, blockwise = _configs("passkey", 64)
     tc = train.TrainConfig(kl_over=kl_over)
     variables = dsv41.init_params(dense, jax.random.key(0))
     batch = _batch(dense, 2, 300)
     want, want_g = train.loss_and_grads(dense, tc, variables, batch)
-    got, got_g = train.loss_and_grads(blockwise, tc, variables, batch)
+    got, got_g = train.loss_and_grads(blockwise, train.TrainConfig(kl_over=kl_over, remat=remat), variables, batch)
     assert float(want["kl"]) > 1e-3  # the indexer's KL is part of what is compared
     for k in ("loss", "ce", "kl"):
         assert abs(float(got[k]) - float(want[k])) <= 1e-6 * abs(float(want[k])), k

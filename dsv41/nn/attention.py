@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from dsv41 import kv_store, quant
 from dsv41.kernels import dispatch
@@ -277,8 +278,11 @@ class Attention(nnx.Module):
                 pool_ids = jnp.where(pool_ids < -(-num // block), pool_ids, -1)
             return picks, pool_ids
 
-        return over_query_blocks(select, self.query_block, qI_BSJd, w_BSJ, positions_BS, pool_ids_BSM,
-                                 pads=(0, 0, -1, -1), remat=False)
+        picks, pool = over_query_blocks(select, self.query_block, qI_BSJd, w_BSJ, positions_BS, pool_ids_BSM,
+                                        pads=(0, 0, -1, -1), remat=False)
+        # Named, so that a rematerialised layer may keep them instead of selecting again (`train`'s remat).
+        name = checkpoint_name
+        return name(picks, "picks"), (None if pool is None else name(pool, "pool_ids"))
 
     def step(self, x_BSD, positions_BS, valid_BS, lengths_B, ring: LayerStore, window_start_B,
              published: dict, stores: dict, entries_ready: bool = False):
