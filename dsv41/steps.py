@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from dsv41 import engram_hash, schema
+from dsv41 import selections as selections_lib
 from dsv41 import model as model_lib
 from dsv41.cache import Cache, CompressedKV, host_view, ring_slots, store_of, store_slots, with_mirror
 from dsv41.kv_store import LayerStore
@@ -51,8 +52,14 @@ class Bound:
         self.plan = _plan_of(self.key)
         self.leaves, self.treedef = jax.tree.flatten(params)
 
-    def prefill(self, cache: Cache, tokens, lengths=None, *, token_map=None, final: bool = True):
+    def prefill(self, cache: Cache, tokens, lengths=None, *, token_map=None, final: bool = True,
+                selections: bool = False):
         """Appends tokens [B, S] (row b: its first lengths[b]) to the cache: (logits [B, V] fp32, cache).
+
+        With `selections`, returns (logits, cache, selections): the indexer picks, pool ids and routed experts
+        every layer used for these tokens (`dsv41.selections`, each [B, S, width]; a row's padding past its
+        length holds what its padding chose), for the training forward to take (selection replay). It needs
+        the `full` schedule: CED runs the decoder over a prompt's last tokens only.
 
         With `runtime.prefill_schedule = "ced"` (DESIGN §3.5) the tokens run through the encoder and the
         decoder's KV projections; on the `final` chunk of a prompt its last `decoder_replay_tokens` also run
@@ -69,21 +76,29 @@ class Bound:
         if cfg.runtime.prefill_schedule == "ced" and cfg.architecture.family != schema.V41:
             raise ConfigError("runtime.prefill_schedule", "ced", f"expected 'full' for the {cfg.architecture.family!r} "
                               "family: CED needs V4.1's encoder and decoder stages")
+        chosen = None
         if cfg.runtime.prefill_schedule == "ced" and s > 1:
+            if selections:
+                raise ConfigError("runtime.prefill_schedule", "ced", "expected 'full' to return selections: the "
+                                  "CED prefill runs the decoder over a prompt's last tokens only")
             replay = min(cfg.swa_bounded_replay.decoder_replay_tokens, s) if final else 0
             logits, cache = _ced(key, None, self.treedef, self.leaves, cache, tokens, counts, ids, replay)
+        elif selections:
+            logits, cache, chosen = _step_chosen(key, None, self.treedef, self.leaves, cache, tokens, counts, ids)
         else:
             logits, cache = _step(key, None, self.treedef, self.leaves, cache, tokens, counts, ids)
         if ids is not None:
             cache = dataclasses.replace(cache, recent_tokens=jnp.asarray(recent, jnp.int32))
-        return logits, with_mirror(cache, held + counts, recent)
+        cache = with_mirror(cache, held + counts, recent)
+        return (logits, cache) if chosen is None else (logits, cache, chosen)
 
-    def decode(self, cache: Cache, next_tokens, *, token_map=None):
-        """Appends one token per row: next_tokens [B] -> (logits [B, V] fp32, cache)."""
+    def decode(self, cache: Cache, next_tokens, *, token_map=None, selections: bool = False):
+        """Appends one token per row: next_tokens [B] -> (logits [B, V] fp32, cache), with `selections` also
+        what the step chose ([B, 1, width] each, `prefill`'s)."""
         next_tokens = np.asarray(next_tokens)
         if next_tokens.ndim != 1:
             raise ValueError(f"next_tokens: shape {next_tokens.shape}: expected [batch]")
-        return self.prefill(cache, next_tokens[:, None], token_map=token_map)
+        return self.prefill(cache, next_tokens[:, None], token_map=token_map, selections=selections)
 
     def replay(self, cache: Cache, tokens_BR, counts_B, *, decoder_tokens: int, engram_ids_BRLC=None) -> Cache:
         """SWA bounded replay (DESIGN §7): rebuilds the window rings of a cache whose global KV was restored.
@@ -104,10 +119,12 @@ def bind(params, cfg) -> Bound:
     return Bound(params, cfg)
 
 
-def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, final: bool = True):
+def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, token_map=None, final: bool = True,
+            selections: bool = False):
     """Appends tokens [B, S] (row b: its first lengths[b]) to the cache: (logits [B, V] fp32, cache). See
     `Bound.prefill`; a loop of steps with the same parameters binds them once (`bind`)."""
-    return Bound(params, cfg).prefill(cache, tokens, lengths, token_map=token_map, final=final)
+    return Bound(params, cfg).prefill(cache, tokens, lengths, token_map=token_map, final=final,
+                                      selections=selections)
 
 
 def check_tokens(cfg, tokens, lengths, held_B, cap: int):
@@ -133,9 +150,9 @@ def check_tokens(cfg, tokens, lengths, held_B, cap: int):
     return np.where(live, tokens, 0), counts
 
 
-def decode(params, cfg, cache: Cache, next_tokens, *, token_map=None):
+def decode(params, cfg, cache: Cache, next_tokens, *, token_map=None, selections: bool = False):
     """Appends one token per row: next_tokens [B] -> (logits [B, V] fp32, cache) (`Bound.decode`)."""
-    return Bound(params, cfg).decode(cache, next_tokens, token_map=token_map)
+    return Bound(params, cfg).decode(cache, next_tokens, token_map=token_map, selections=selections)
 
 
 def replay(params, cfg, cache: Cache, tokens_BR, counts_B, *, decoder_tokens: int, engram_ids_BRLC=None) -> Cache:
@@ -208,10 +225,11 @@ class _State:
         return dataclasses.replace(self, **changes)
 
 
-def _run(model, cfg, stage, state: _State, published, inputs: _Inputs, entries_ready=()):
+def _run(model, cfg, stage, state: _State, published, inputs: _Inputs, entries_ready=(), chosen: dict | None = None):
     """Runs the stacks of `stage` ("encoder", "decoder", or None: all) over the new tokens, the `_State`
     threaded through each stack's scan. entries_ready: layers whose compressor already wrote these
-    tokens' entries. Returns (state, published)."""
+    tokens' entries. chosen: a selections value (`dsv41.selections`) to add the layers' choices to.
+    Returns (state, published)."""
     plan = layer_plan(cfg)
     slots, rings = store_slots(cfg), ring_slots(cfg)
     for s, st in enumerate(model.stacks):
@@ -252,7 +270,11 @@ def _run(model, cfg, stage, state: _State, published, inputs: _Inputs, entries_r
                                  window_scales=_put(state.window_scales, kr, new_ring.leaves["scales"]),
                                  compressed=tuple(compressed)), published
 
-        state, published, _ = st.run(layer_fn, state, published)
+        state, published, records = st.run(layer_fn, state, published, record=chosen is not None)
+        if chosen is not None:
+            for kind, layers in selections_lib.widths(cfg).items():
+                for layer in set(layers) & set(records):
+                    chosen.setdefault(kind, {})[layer] = selections_lib.flat(records[layer])[kind]
     return state, published
 
 
@@ -277,11 +299,12 @@ def _finish(cache, lengths, state: _State):
                  window_start=state.window_start, recent_tokens=cache.recent_tokens)
 
 
-def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
+def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC, chosen: bool = False):
     """The traced prefill/decode step: every layer over the new tokens (the `full` schedule, and every
     decode step) -> (logits [B, V] fp32 at each row's last new token, cache). key: `model.config_key`;
     lowering: `policy.Lowering` (how it is traced). Jit it with both static and the cache donated
-    (`dsv41.sharding.step_function` adds shardings)."""
+    (`dsv41.sharding.step_function` adds shardings). chosen: also return the selections the layers made
+    (logits, cache, selections)."""
     model = nnx.merge(model_lib.graphdef(key, lowering), params)
     cfg = model_lib.config_from_key(key)
 
@@ -289,8 +312,10 @@ def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, eng
     inputs = _Inputs(cache.lengths[:, None] + jnp.arange(s, dtype=jnp.int32), jnp.arange(s) < counts_B[:, None],
                      cache.lengths, tokens_BS, engram_ids_BSLC)
     x, pre = model.embed_tokens(tokens_BS)
-    state, _ = _run(model, cfg, None, _state(cache, x, pre), {}, inputs)
-    return _head(model, state.x, state.pre, counts_B), _finish(cache, cache.lengths + counts_B, state)
+    made = {kind: {} for kind in selections_lib.KINDS} if chosen else None
+    state, _ = _run(model, cfg, None, _state(cache, x, pre), {}, inputs, chosen=made)
+    out = _head(model, state.x, state.pre, counts_B), _finish(cache, cache.lengths + counts_B, state)
+    return out if made is None else (*out, made)
 
 
 # The jitted steps take the parameters as their leaves and (static) tree structure: a list of arrays is
@@ -298,6 +323,12 @@ def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, eng
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
 def _step(key, lowering, treedef, leaves, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
     return step_body(key, lowering, jax.tree.unflatten(treedef, leaves), cache, tokens_BS, counts_B, engram_ids_BSLC)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
+def _step_chosen(key, lowering, treedef, leaves, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
+    return step_body(key, lowering, jax.tree.unflatten(treedef, leaves), cache, tokens_BS, counts_B, engram_ids_BSLC,
+                     chosen=True)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 8), donate_argnums=4)

@@ -37,10 +37,10 @@ import optax
 from flax import nnx
 
 from dsv41 import model as model_lib
-from dsv41 import schema
+from dsv41 import schema, selections
 from dsv41.errors import ConfigError
 from dsv41.nn import indexer as ix
-from dsv41.nn.attend import band_source, over_query_blocks, window_mask
+from dsv41.nn.attend import band_source, over_query_blocks, window_from, window_mask
 from dsv41.nn.moe import BalanceBias
 from dsv41.nn.rope import apply_rope
 from dsv41.plan import FULL, REINDEX, layer_plan, layer_stacks
@@ -154,34 +154,30 @@ def abstract_state(cfg, tc: TrainConfig) -> TrainState:
 # The forward with what the losses need
 
 
-def _forward_records(model, tokens_BS, positions_BS, remat: str, engram_ids_BSLC=None):
+def _forward_records(model, tokens_BS, positions_BS, remat: str, engram_ids_BSLC=None, forced=None,
+                     decoder_window_start=None):
     """(logits [B,S,V], per-layer records {name: array}): the model's own forward, each stack group
     rematerialised under `remat` ("block": save only the blockwise forward's picks, "dots": save the weight
-    matmuls)."""
+    matmuls), forced to the selections `forced` when given (selection replay), the decoder's windows starting
+    at decoder_window_start [B] when given (the CED split)."""
     # "block" keeps the blockwise forward's picks and pool ids (integers, `Attention.select_blocks`): the
     # backward pass then recomputes the layers without their selection.
     policy = {"none": None, "block": jax.checkpoint_policies.save_only_these_names(*SELECTION),
               "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}[remat]
-    logits, records = model(tokens_BS, positions_BS, engram_ids_BSLC, record=True, remat=policy)
-    return logits, [_flat(r) for r in records]
+    logits, records = model(tokens_BS, positions_BS, engram_ids_BSLC, record=True, remat=policy, forced=forced,
+                            decoder_window_start=decoder_window_start)
+    return logits, [selections.flat(r) for r in records]
 
 
-def _flat(record: dict) -> dict:
-    """{leaf name: array} of one layer's nested record (the names are unique within a layer)."""
-    out = {}
-    for key, value in record.items():
-        out.update(_flat(value) if isinstance(value, dict) else {key: value})
-    return out
-
-
-def indexer_kl(model, rows: list[dict], positions_BS, kl_over: str):
+def indexer_kl(model, rows: list[dict], positions_BS, kl_over: str, decoder_window_start=None):
     """(Σ KL, number of query rows) over the Full/Reindex layers (V4.1), in fp32.
 
     Per layer and query t with at least one selectable entry:
       p = Σ_h softmax([window | selectable entries | sink])_h restricted to the entries, L1-normalised,
       KL(p ‖ softmax(I restricted to the same entries)).
     Everything on the main path is under stop-gradient; only the indexer's query, weights and keys
-    (for the keys: of the kv_source's indexer) receive gradients.
+    (for the keys: of the kv_source's indexer) receive gradients. decoder_window_start: the forward's (the
+    decoder layers' windows as the CED split truncates them).
     """
     total, count = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
     sg = jax.lax.stop_gradient
@@ -193,8 +189,9 @@ def indexer_kl(model, rows: list[dict], positions_BS, kl_over: str):
         attn = block.attn
         if attn.indexer is None:
             continue
+        start = decoder_window_start if rec.stage == "decoder" else None
         if 0 < attn.query_block < positions_BS.shape[1]:
-            kl, has = _layer_kl_blocks(model, rows, i, positions_BS, kl_over)
+            kl, has = _layer_kl_blocks(model, rows, i, positions_BS, kl_over, start)
             total += jnp.sum(kl)
             count += jnp.sum(has)
             continue
@@ -217,8 +214,7 @@ def indexer_kl(model, rows: list[dict], positions_BS, kl_over: str):
         hi = jax.lax.Precision.HIGHEST
         win_logits = jnp.einsum("bshk,btk->bhst", q, window, precision=hi, preferred_element_type=jnp.float32)
         ent_logits = jnp.einsum("bshk,btk->bhst", q, entries, precision=hi, preferred_element_type=jnp.float32)
-        win_mask = (positions_BS[:, :, None] - positions_BS[:, None, :] >= 0) & (
-            positions_BS[:, :, None] - positions_BS[:, None, :] < attn.window)
+        win_mask = window_mask(positions_BS, positions_BS, attn.window) & window_from(positions_BS, start)[:, None]
         sink = jnp.broadcast_to(attn.attn_sink[...].astype(jnp.float32)[None, :, None, None], (b, attn.heads, s, 1))
         logits = jnp.concatenate([jnp.where(win_mask[:, None], win_logits * scale, -jnp.inf),
                                   jnp.where(allowed[:, None], ent_logits * scale, -jnp.inf), sink], axis=-1)
@@ -251,7 +247,7 @@ def _kl_queries(block, row: dict, positions_BS):
     return x, qr, q
 
 
-def _layer_kl_blocks(model, rows: list[dict], i: int, positions_BS, kl_over: str):
+def _layer_kl_blocks(model, rows: list[dict], i: int, positions_BS, kl_over: str, window_start=None):
     """Layer i's term of `indexer_kl` per query (kl [B, S], has [B, S]), `query_block` queries at a time as
     the blockwise forward runs (`Attention._blockwise`), in memory linear in S: the main attention's logits
     over the query's window band and its candidate entries — its picks ("selected"), its candidate pool's
@@ -272,7 +268,7 @@ def _layer_kl_blocks(model, rows: list[dict], i: int, positions_BS, kl_over: str
     keys = source.indexer.keys(latent, ix.entry_positions(latent, rec.ratio), cinv, attn.fake_quant)
     window, qb, scale = attn.window, attn.query_block, attn.head_dim ** -0.5
     padded = -(-s // qb) * qb
-    win_keys, win_pos, win_ok = band_source(row["window_kv"], positions_BS, window, padded)
+    win_keys, win_pos, win_ok = band_source(row["window_kv"], positions_BS, window, padded, window_start)
     if kl_over == "selected":
         chosen = row["picks"]
     elif rec.candidate_source is not None:
@@ -351,7 +347,10 @@ def with_engram_ids(cfg, batch: dict) -> dict:
     return dict(batch, engram_ids=jnp.asarray(ids, jnp.int32))
 
 
-def _check_batch(batch: dict):
+def _check_batch(cfg, batch: dict) -> dict:
+    """The batch, checked: its arrays [batch, seq]; its optional "selections" (selection replay: the choices
+    the sampler made for these tokens, `dsv41.selections`) checked against the config and made int32; its
+    optional "prompt_lengths" [batch] (the CED split, `decoder_window_start`) checked against the loss mask."""
     need = ("inputs", "targets", "loss_mask")
     missing = [k for k in need if k not in batch]
     if missing:
@@ -360,6 +359,49 @@ def _check_batch(batch: dict):
     for k in need:
         if batch[k].shape != shape or len(shape) != 2:
             raise ValueError(f"batch[{k!r}]: shape {batch[k].shape}: expected [batch, seq] = {shape}")
+    optional = ("engram_ids", "selections", "prompt_lengths")
+    extra = sorted(set(batch) - {*need, *optional})
+    if extra:
+        raise ValueError(f"batch: keys {extra}: expected {need}, and optionally {optional}")
+    if "prompt_lengths" in batch:
+        start = decoder_window_start(cfg, batch["prompt_lengths"], shape)
+        before = np.arange(shape[1])[None, :] < start[:, None]
+        bad = before & (np.asarray(batch["loss_mask"]) != 0)
+        if bad.any():
+            row, t = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"batch['loss_mask']: {np.asarray(batch['loss_mask'])[row, t]} at [{row}, {t}]: expected 0 "
+                             f"before the CED split's decoder starts (row {row}: prompt_lengths "
+                             f"{int(np.asarray(batch['prompt_lengths'])[row])} − decoder_replay_tokens = token "
+                             f"{int(start[row])}): no decoder output exists there")
+        batch = dict(batch, prompt_lengths=jnp.asarray(batch["prompt_lengths"], jnp.int32))
+    if "selections" not in batch:
+        return batch
+    positions = np.broadcast_to(np.arange(shape[1]), shape)
+    chosen = selections.check(cfg, batch["selections"], positions)
+    return dict(batch, selections={kind: {layer: jnp.asarray(v) for layer, v in layers.items()}
+                                   for kind, layers in chosen.items()})
+
+
+def decoder_window_start(cfg, prompt_lengths_B, shape=None):
+    """[B] int: the first token each row's decoder sees under the CED split (DESIGN §3.5): a row's prompt runs
+    the encoder (and the decoder's KV source, whose entries come from the encoder's output); only its last
+    `swa_bounded_replay.decoder_replay_tokens` run the decoder, as the `ced` prefill replays them, and the
+    response after it. shape: the batch's [B, S], to check prompt_lengths against (host values)."""
+    if cfg.architecture.family != schema.V41:
+        raise ConfigError("architecture.family", cfg.architecture.family,
+                          "expected 'v41' for batch['prompt_lengths']: the CED split needs V4.1's encoder and decoder")
+    replay = int(cfg.swa_bounded_replay.decoder_replay_tokens)
+    if shape is None:
+        return jnp.maximum(prompt_lengths_B - replay, 0)
+    lengths = np.asarray(prompt_lengths_B)
+    b, s = shape
+    if lengths.shape != (b,) or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"batch['prompt_lengths']: {lengths.dtype}{list(lengths.shape)}: expected integers [{b}]")
+    if lengths.min() < 1 or lengths.max() > s:
+        row = int(np.argmax((lengths < 1) | (lengths > s)))
+        raise ValueError(f"batch['prompt_lengths']: {int(lengths[row])} at row {row}: expected a prompt length in "
+                         f"[1, {s}]")
+    return np.maximum(lengths - replay, 0)
 
 
 def _loss_fn(cfg, tc: TrainConfig):
@@ -372,11 +414,13 @@ def _loss_fn(cfg, tc: TrainConfig):
         model = nnx.merge(graphdef, params, buffers)
         s = mb["inputs"].shape[1]
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), mb["inputs"].shape)
-        logits, rows = _forward_records(model, mb["inputs"], positions, tc.remat, mb.get("engram_ids"))
+        start = decoder_window_start(cfg, mb["prompt_lengths"]) if "prompt_lengths" in mb else None
+        logits, rows = _forward_records(model, mb["inputs"], positions, tc.remat, mb.get("engram_ids"),
+                                        mb.get("selections"), start)
         mask = mb["loss_mask"].astype(jnp.float32)
         ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), mb["targets"][..., None], -1)[..., 0]
         ce_sum = jnp.sum(ce * mask)
-        kl_sum = indexer_kl(model, rows, positions, tc.kl_over)[0] if use_kl else jnp.zeros(())
+        kl_sum = indexer_kl(model, rows, positions, tc.kl_over, start)[0] if use_kl else jnp.zeros(())
         loss = (0.0 if tc.freeze_main else ce_sum / n_tokens) + tc.indexer_kl_weight * kl_sum / n_rows
         return loss, (ce_sum, kl_sum, expert_load(model, rows))
 
@@ -387,7 +431,7 @@ def loss_and_grads(cfg, tc: TrainConfig, variables: nnx.State, batch: dict):
     """(metrics {loss, ce, kl}, gradients of the Param leaves) of one batch at `variables` (`init_params`'
     state), as `train_step` computes them before its update (no accumulation, no clipping): what the blockwise
     and whole-sequence forwards are compared by, and what a custom optimiser loop can start from."""
-    _check_batch(batch)
+    batch = _check_batch(cfg, batch)
     batch = with_engram_ids(cfg, batch)
     params, buffers = split_variables(variables)
     b, s = batch["inputs"].shape
@@ -399,9 +443,22 @@ def loss_and_grads(cfg, tc: TrainConfig, variables: nnx.State, batch: dict):
     return {"loss": (0.0 if tc.freeze_main else ce) + tc.indexer_kl_weight * kl, "ce": ce, "kl": kl}, grads
 
 
+def cpu_compiler_options() -> dict | None:
+    """XLA options of the training programs on the CPU backend (None elsewhere).
+
+    XLA:CPU's concurrency-optimised scheduler (its default) starts every rematerialised layer group's
+    recomputation at the head of the backward pass, where they all stay live: at 16K tokens of the
+    passkey config the step's temporaries were 4.77 GB with it and 2.23 GB with the memory-optimised
+    scheduler (`compiled.memory_analysis()`, remat="block")."""
+    if jax.default_backend() != "cpu":
+        return None
+    return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
 @functools.lru_cache(maxsize=8)
 def _jitted_grads(key: str, tc: TrainConfig):
-    return jax.jit(jax.grad(_loss_fn(model_lib.config_from_key(key), tc), has_aux=True))
+    return jax.jit(jax.grad(_loss_fn(model_lib.config_from_key(key), tc), has_aux=True),
+                   compiler_options=cpu_compiler_options())
 
 
 def make_train_step(cfg, tc: TrainConfig):
@@ -418,7 +475,7 @@ def make_train_step(cfg, tc: TrainConfig):
     lr = schedule(tc)
     grad_fn = jax.grad(_loss_fn(cfg, tc), has_aux=True)
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=cpu_compiler_options())
     def train_step(state: TrainState, batch: dict):
         b, s = batch["inputs"].shape
         a = tc.grad_accum
@@ -451,7 +508,7 @@ def make_train_step(cfg, tc: TrainConfig):
         return TrainState(params, opt_state, state.step + 1, buffers), metrics
 
     def checked(state: TrainState, batch: dict):
-        _check_batch(batch)
+        batch = _check_batch(cfg, batch)
         if batch["inputs"].shape[0] % tc.grad_accum:
             raise ConfigError("train.grad_accum", tc.grad_accum,
                               f"expected a divisor of the batch size {batch['inputs'].shape[0]}")
@@ -506,7 +563,7 @@ def _score(key, params, buffers, inputs, targets, mask, engram_ids=None):
 
 
 def _scores(state: TrainState, cfg, batch: dict):
-    _check_batch(batch)
+    batch = _check_batch(cfg, batch)
     batch = with_engram_ids(cfg, batch)
     return _score(model_lib.config_key(cfg), state.params, state.buffers,
                   *(jnp.asarray(batch[k]) for k in ("inputs", "targets", "loss_mask")), batch.get("engram_ids"))

@@ -4,7 +4,8 @@ query at once, memory ~S²) beside the blockwise one (`runtime.query_block`, mem
 process so that its peak RSS is its own.
 
 Per (S, form): compile seconds (lowering + XLA), the time of one step after it (best of --repeats), the
-process's peak RSS, and XLA's own estimate of the step's memory (arguments + outputs + temporaries,
+process's peak RSS (compile included), the peak RSS while the compiled steps run ("step peak": Linux's
+VmHWM, reset after the compile), and XLA's own estimate of the step's memory (arguments + outputs + temporaries,
 `compiled.memory_analysis()`), which is printed even where the step is not run (--estimate-only forms, or
 an estimate above --max-gib). Batch --batch rows of synthetic passkey data, `train.make_train_step` with the
 default TrainConfig (or --set train fields). The machine's load (/proc/loadavg) is printed before each run:
@@ -49,15 +50,30 @@ def one(args) -> dict:
     out = {"seq": args.seq, "form": args.form, "query_block": block, "compile_s": round(compile_s, 2),
            "xla_estimate_gib": round(estimate, 3)}
     if args.estimate_only or estimate > args.max_gib:
-        return {**out, "step_s": None, "peak_rss_gib": None, "loss": None}
+        return {**out, "step_s": None, "peak_rss_gib": None, "step_peak_rss_gib": None, "loss": None}
+    reset = os.path.exists("/proc/self/clear_refs")
+    if reset:  # Linux: the high-water mark restarts here, so step_peak excludes the compile's own memory
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         new_state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-    return {**out, "step_s": round(min(times), 2), "peak_rss_gib": round(rss, 3), "loss": float(metrics["loss"])}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux, the whole process's
+    step_peak = _vm_hwm_gib() if reset else None
+    return {**out, "step_s": round(min(times), 2), "peak_rss_gib": round(rss, 3),
+            "step_peak_rss_gib": None if step_peak is None else round(step_peak, 3), "loss": float(metrics["loss"])}
+
+
+def _vm_hwm_gib() -> float:
+    """The process's peak resident set since the last reset (/proc/self/status VmHWM), GiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    raise RuntimeError("/proc/self/status: no VmHWM line")
 
 
 def main(argv=None) -> int:
@@ -86,7 +102,8 @@ def main(argv=None) -> int:
         if form not in ("blockwise", "dense"):
             p.error(f"--forms: {form!r}: expected blockwise or dense")
     if not args.json:
-        print(f"{'S':>7} {'form':>9} {'compile s':>9} {'step s':>8} {'peak RSS GiB':>12} {'XLA GiB':>9}  load")
+        print(f"{'S':>7} {'form':>9} {'compile s':>9} {'step s':>8} {'peak RSS GiB':>12} {'step peak':>9} "
+              f"{'XLA GiB':>9}  load")
     for seq in (int(s) for s in args.seqs.split(",")):
         for form in forms:
             load = open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else "?"
@@ -107,7 +124,7 @@ def main(argv=None) -> int:
             else:
                 fmt = lambda v: "-" if v is None else v
                 print(f"{seq:>7} {form:>9} {row['compile_s']:>9} {fmt(row['step_s']):>8} {fmt(row['peak_rss_gib']):>12} "
-                      f"{row['xla_estimate_gib']:>9}  {load}", flush=True)
+                      f"{fmt(row['step_peak_rss_gib']):>9} {row['xla_estimate_gib']:>9}  {load}", flush=True)
     return 0
 
 

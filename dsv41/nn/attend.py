@@ -74,14 +74,23 @@ def window_keys(keys_BTK, key_pos_BT, key_ok_BT, positions_BS, window: int):
     return blocks(keys), mask.reshape(mask.shape[0], nb * window, 2 * window)
 
 
-def band_source(kv_BSK, positions_BS, window: int, length: int):
+def band_source(kv_BSK, positions_BS, window: int, length: int, start_B=None):
     """(keys [B, W + L, K], their positions, their validity) of a whole sequence's window keys for
     `over_query_blocks`: W invalid keys in front and the sequence padded to L (≥ S) behind, so that the
-    queries of block n (block size Q) find their window band at keys n·Q … n·Q + Q + W − 1."""
+    queries of block n (block size Q) find their window band at keys n·Q … n·Q + Q + W − 1. start_B: keys
+    before row b's start[b] are not valid (`window_from`)."""
     b, s = positions_BS.shape
     pad = [(0, 0), (window, length - s)]
     return (jnp.pad(kv_BSK, pad + [(0, 0)]), jnp.pad(positions_BS, pad, constant_values=-1),
-            jnp.pad(jnp.ones((b, s), bool), pad))
+            jnp.pad(window_from(positions_BS, start_B), pad))
+
+
+def window_from(positions_BS, start_B=None):
+    """[B, S] bool: the tokens a window may hold, those at or after row b's start_B[b] (all when None): the
+    CED split's decoder layers see the replayed span of each row's prompt and what follows (DESIGN §3.5)."""
+    if start_B is None:
+        return jnp.ones(positions_BS.shape, bool)
+    return positions_BS >= start_B[:, None]
 
 
 def over_query_blocks(fn, block: int, *arrays, pads, remat: bool = True):

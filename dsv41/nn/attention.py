@@ -36,8 +36,8 @@ from dsv41 import kv_store, quant
 from dsv41.kernels import dispatch
 from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, packed, ring_positions
 from dsv41.nn import indexer as ix
-from dsv41.nn.attend import (NEG_INF, Handoff, attend_step, band_source, over_query_blocks, window_keys,
-                             window_mask)
+from dsv41.nn.attend import (NEG_INF, Handoff, attend_step, band_source, over_query_blocks, window_from,
+                             window_keys, window_mask)
 from dsv41.nn.compressor import Compressor
 from dsv41.nn.linear import Dense, param
 from dsv41.nn.norm import RMSNorm, rms_normalize
@@ -119,22 +119,25 @@ class Attention(nnx.Module):
                        self.wo_a[...].astype(self.policy.compute_dtype), precision=self.policy.precision)
         return self.wo_b(y.reshape(b, s, -1))
 
-    def __call__(self, x_BSD, positions_BS, published: dict):
+    def __call__(self, x_BSD, positions_BS, published: dict, forced: dict | None = None, window_start=None):
         """(attention output [B, S, D], this layer's `Handoff` or None) over the whole sequence: the step's
         math with every key in view at once (window and selection as masks). published: {layer: Handoff}
-        of the layers before it."""
+        of the layers before it. forced: {"picks": [B, S, k] or None, "pool_ids": [B, S, M] or None}, an
+        index source's choices to take instead of its own (selection replay, `dsv41.selections`).
+        window_start [B]: window keys before it are not seen (the CED split in training, `attend.window_from`)."""
         rec = self.record
         qr, q, kv = self.project(x_BSD, positions_BS)
         if self.fake_quant:
             kv = self.window_fake_quant(kv)
         self.sow(nnx.Intermediate, "window_kv", kv)
         if 0 < self.query_block < x_BSD.shape[1]:
-            return self._blockwise(x_BSD, qr, q, kv, positions_BS, published)
+            return self._blockwise(x_BSD, qr, q, kv, positions_BS, published, forced, window_start)
 
-        keys, mask = kv, window_mask(positions_BS, positions_BS, self.window)
+        keys = kv
+        mask = window_mask(positions_BS, positions_BS, self.window) & window_from(positions_BS, window_start)[:, None]
         mine = None
         if rec.ratio:
-            mine = self._publish(x_BSD, qr, positions_BS, published)
+            mine = self._publish(x_BSD, qr, positions_BS, published, forced)
             seen = {**published, rec.index: mine} if mine is not None else published
             entries = seen[rec.kv_source].entries
             keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
@@ -164,8 +167,9 @@ class Attention(nnx.Module):
             self.sow(nnx.Intermediate, "index_keys", index_keys)
         return entries, index_keys
 
-    def _publish(self, x_BSD, qr_BSQ, positions_BS, published: dict) -> Handoff | None:
+    def _publish(self, x_BSD, qr_BSQ, positions_BS, published: dict, forced: dict | None = None) -> Handoff | None:
         rec = self.record
+        given = (forced or {}).get("picks")
         cinv = np.asarray(self.compressed_inv_freq, np.float32)
         entries, index_keys = self._entries(x_BSD)
         if self.indexer is None:
@@ -173,24 +177,30 @@ class Attention(nnx.Module):
         source = Handoff(entries=entries, index_keys=index_keys) if rec.stores_entries else published[rec.kv_source]
         num_entries = source.entries.shape[1]
         visible = ix.visible_entries(positions_BS, rec.ratio, num_entries)
-        scores = self.indexer.scores(x_BSD, qr_BSQ, positions_BS, source.index_keys, visible, cinv,
-                                     self.fake_quant)
+        if given is None:
+            scores = self.indexer.scores(x_BSD, qr_BSQ, positions_BS, source.index_keys, visible, cinv,
+                                         self.fake_quant)
         pool = None
         if self.builds_pool:
-            pool_ids = ix.candidate_block_ids(scores, (positions_BS + 1) // rec.ratio, self.pool_max_blocks,
-                                              self.pool_block_size)
+            pool_ids = (forced["pool_ids"] if given is not None else
+                        ix.candidate_block_ids(scores, (positions_BS + 1) // rec.ratio, self.pool_max_blocks,
+                                               self.pool_block_size))
             blocks = ix.block_ids_to_mask(pool_ids, -(-num_entries // self.pool_block_size))
             self.sow(nnx.Intermediate, "pool_ids", pool_ids)
             self.sow(nnx.Intermediate, "pool_blocks", blocks)
             pool = ix.blocks_to_entries(blocks, self.pool_block_size, num_entries)
-        if rec.candidate_source is not None:
-            scores = jnp.where(published[rec.candidate_source].pool, scores, NEG_INF)
-        picks = ix.top_k_indices(scores, self.top_k)
+        if given is not None:
+            picks = given
+        else:
+            if rec.candidate_source is not None:
+                scores = jnp.where(published[rec.candidate_source].pool, scores, NEG_INF)
+            picks = ix.top_k_indices(scores, self.top_k)
         self.sow(nnx.Intermediate, "picks", picks)
         return Handoff(entries=entries, index_keys=index_keys, picks=picks,
                        selected=ix.indices_to_mask(picks, num_entries), pool=pool)
 
-    def _blockwise(self, x_BSD, qr_BSQ, q_BSHK, kv_BSK, positions_BS, published: dict):
+    def _blockwise(self, x_BSD, qr_BSQ, q_BSHK, kv_BSK, positions_BS, published: dict, forced: dict | None = None,
+                   window_start=None):
         """`__call__` over blocks of `query_block` queries, in memory linear in the sequence length: each block
         scores the entries (`_select_blocks`) and attends its window band and its own picked entries, gathered
         (`attend_step`, as the cached step does), under `jax.checkpoint` (the backward pass recomputes a block).
@@ -199,13 +209,13 @@ class Attention(nnx.Module):
         rec = self.record
         mine = entries = picks = None
         if rec.ratio:
-            mine = self._publish_blocks(x_BSD, qr_BSQ, positions_BS, published)
+            mine = self._publish_blocks(x_BSD, qr_BSQ, positions_BS, published, forced)
             seen = {**published, rec.index: mine} if mine is not None else published
             entries = seen[rec.kv_source].entries.astype(kv_BSK.dtype)
             picks = seen[rec.index_source].picks if rec.selects else None
         window, sink, scale, ratio = self.window, self.attn_sink[...], self.head_dim ** -0.5, rec.ratio
         padded = -(-x_BSD.shape[1] // self.query_block) * self.query_block
-        keys, key_pos, key_ok = band_source(kv_BSK, positions_BS, window, padded)
+        keys, key_pos, key_ok = band_source(kv_BSK, positions_BS, window, padded, window_start)
 
         def attend(n, q_b, pos_b, picks_b):
             span = q_b.shape[1] + window
@@ -221,7 +231,8 @@ class Attention(nnx.Module):
         out = over_query_blocks(attend, self.query_block, q_BSHK, positions_BS, picks, pads=(0, -1, -1))
         return self.output(out, positions_BS), mine
 
-    def _publish_blocks(self, x_BSD, qr_BSQ, positions_BS, published: dict) -> Handoff | None:
+    def _publish_blocks(self, x_BSD, qr_BSQ, positions_BS, published: dict, forced: dict | None = None
+                        ) -> Handoff | None:
         """`_publish` for `_blockwise`: the same entries and indexer keys (linear in the sequence), the picks and
         the candidate pool's block ids chosen per block of queries; the Handoff holds no [S, T] masks."""
         rec = self.record
@@ -231,9 +242,13 @@ class Attention(nnx.Module):
             return Handoff(entries=entries, index_keys=index_keys) if entries is not None else None
         keys = index_keys if rec.stores_entries else published[rec.kv_source].index_keys
         pool = published[rec.candidate_source].pool_ids if rec.candidate_source is not None else None
-        sg = jax.lax.stop_gradient  # the picks take no gradient (the indexer trains by its KL alone)
-        qI, w = self.indexer.query(sg(x_BSD), sg(qr_BSQ), positions_BS, cinv, self.fake_quant)
-        picks, pool_ids = self.select_blocks(qI, w, positions_BS, sg(keys), pool)
+        if (forced or {}).get("picks") is not None:  # selection replay: the given choices, named as chosen ones
+            picks = checkpoint_name(forced["picks"], "picks")
+            pool_ids = checkpoint_name(forced["pool_ids"], "pool_ids") if self.builds_pool else None
+        else:
+            sg = jax.lax.stop_gradient  # the picks take no gradient (the indexer trains by its KL alone)
+            qI, w = self.indexer.query(sg(x_BSD), sg(qr_BSQ), positions_BS, cinv, self.fake_quant)
+            picks, pool_ids = self.select_blocks(qI, w, positions_BS, sg(keys), pool)
         self.sow(nnx.Intermediate, "picks", picks)
         if pool_ids is not None:
             self.sow(nnx.Intermediate, "pool_ids", pool_ids)
@@ -337,6 +352,9 @@ class Attention(nnx.Module):
         if rec.ratio:  # the compressed branch: the layer's own (V4.1 below, V4 `attention_v4`)
             (sel, sel_ok, shared, picks), stores, handoff = self.cached_compressed(
                 x_BSD, qr, positions_BS, lengths_B, counts, published, stores, entries_ready)
+            for name in ("picks", "pool_ids"):  # what an index source chose (selection replay records it)
+                if handoff is not None and getattr(handoff, name) is not None:
+                    self.sow(nnx.Intermediate, name, getattr(handoff, name))
             store = stores.get(rec.kv_source)
             if picks is not None and self.every_entry and self.top_k >= store.leaves["entries"].shape[-2]:
                 # Top-k of at least every entry, no pool: the picks are every visible entry, which every query of

@@ -56,7 +56,7 @@ class AttentionV4(Attention):
         """The XLA path: the Pallas kernels read V4.1's stored formats, not V4's records."""
         return "reference"
 
-    def _publish(self, x_BSD, qr_BSQ, positions_BS, published: dict) -> Handoff:
+    def _publish(self, x_BSD, qr_BSQ, positions_BS, published: dict, forced: dict | None = None) -> Handoff:
         rec = self.record
         cinv = np.asarray(self.compressed_inv_freq, np.float32)
         latent = self.compressor(x_BSD)  # [B, T, K] before RoPE
@@ -68,9 +68,11 @@ class AttentionV4(Attention):
             return Handoff(entries=entries)
         index_keys = self.indexer.keys(x_BSD, cinv, self.fake_quant)
         self.sow(nnx.Intermediate, "index_keys", index_keys)
-        visible = ix.visible_entries(positions_BS, rec.ratio, latent.shape[1])
-        scores = self.indexer.scores(x_BSD, qr_BSQ, positions_BS, index_keys, visible, cinv, self.fake_quant)
-        picks = ix.top_k_indices(scores, self.top_k)
+        picks = (forced or {}).get("picks")
+        if picks is None:
+            visible = ix.visible_entries(positions_BS, rec.ratio, latent.shape[1])
+            scores = self.indexer.scores(x_BSD, qr_BSQ, positions_BS, index_keys, visible, cinv, self.fake_quant)
+            picks = ix.top_k_indices(scores, self.top_k)
         self.sow(nnx.Intermediate, "picks", picks)
         return Handoff(entries=entries, index_keys=index_keys, picks=picks,
                        selected=ix.indices_to_mask(picks, latent.shape[1]))

@@ -35,12 +35,12 @@ class Block(nnx.Module):
         self.ffn = MoE(d, m.num_experts, m.top_k, m.intermediate_size, m.num_shared_experts, m.route_scale,
                        m.swiglu_limit, a.vocab_size if hashed else 0, policy=policy, rngs=rngs)
 
-    def __call__(self, x_BSND, pre_BSN, attend, tokens_BS=None, token_block: int = 0):
+    def __call__(self, x_BSND, pre_BSN, attend, tokens_BS=None, token_block: int = 0, *, experts=None):
         """Single-pass mHC: each site collapses with the previous site's `pre` and hands its own on.
         Classic mHC (V4): each site collapses with its own `pre` (pre_BSN is not read).
         `attend(attn, h) -> (y, state)` runs the attention layer on its normalised input: over the whole
         sequence (`forward`: state is the layer's `Handoff` or None) or over the cache (`dsv41.steps`: its
-        new window ring, the updated stores and its Handoff). token_block: the MoE's (`MoE.__call__`).
+        new window ring, the updated stores and its Handoff). token_block, experts: the MoE's (`MoE.__call__`).
         Returns (x, pre, state)."""
         # Named scopes label the compiled program's operations (`dsv41 compile-report --breakdown`).
         with jax.named_scope("mhc"):
@@ -54,6 +54,6 @@ class Block(nnx.Module):
             ffn_pre, post, comb = self.hc_ffn.mixes(x_BSND)
             h = mhc.collapse(x_BSND, ffn_pre if self.classic else attn_pre)
         with jax.named_scope("moe"):
-            y = self.ffn(self.ffn_norm(h), tokens_BS, token_block=token_block)
+            y = self.ffn(self.ffn_norm(h), tokens_BS, token_block=token_block, experts=experts)
         with jax.named_scope("mhc"):
             return mhc.expand(y, x_BSND, post, comb), ffn_pre, state

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv41 import selections
 from dsv41.nn import mhc, rope
 from dsv41.nn.block import Block
 from dsv41.nn.engram import Engram
@@ -241,9 +242,15 @@ class Transformer(nnx.Module):
         with jax.named_scope("engram"):
             return jax.lax.switch(jnp.asarray(branch)[at.layer], [lambda x: x] + [apply(k) for k in mine], x_BSND)
 
-    def __call__(self, tokens_BS, positions_BS, engram_ids_BSLC=None, *, record: bool = False, remat=None):
+    def __call__(self, tokens_BS, positions_BS, engram_ids_BSLC=None, *, record: bool = False, remat=None,
+                 forced=None, decoder_window_start=None):
         """Logits [B, S, V] in fp32 of a whole sequence (teacher forced); with `record`, also per layer
-        {name: array} of what it sowed (its attention input, picks, pool, entries, routed experts)."""
+        {name: array} of what it sowed (its attention input, picks, pool, entries, routed experts).
+        forced: a selections value (`dsv41.selections`, checked) whose picks, pool ids and experts the layers
+        take instead of choosing their own (selection replay). decoder_window_start [B]: the decoder's layers
+        see no window key before it (the CED split in training, DESIGN §3.5: a row's decoder runs from the
+        replayed span of its prompt on)."""
+        forced = None if forced is None else selections.stacked(forced, self.num_layers)
         x_BSND, pre = self.embed_tokens(tokens_BS)
         published: dict = {}
         records: dict = {}
@@ -251,8 +258,10 @@ class Transformer(nnx.Module):
         def layer(block, at, carry, published):
             x_BSND, pre = carry
             x_BSND = self.engram_step(at, x_BSND, engram_ids_BSLC)
-            x_BSND, pre, handoff = block(x_BSND, pre, lambda attn, h: attn(h, positions_BS, published), tokens_BS,
-                                         self.query_block)
+            given = {kind: selections.of_layer(forced, kind, at.layer, at.layers) for kind in selections.KINDS}
+            start = decoder_window_start if block.attn.record.stage == "decoder" else None
+            x_BSND, pre, handoff = block(x_BSND, pre, lambda attn, h: attn(h, positions_BS, published, given, start),
+                                         tokens_BS, self.query_block, experts=given["experts"])
             if handoff is not None:
                 published = {**published, block.attn.record.index: handoff}
             return (x_BSND, pre), published

@@ -65,12 +65,15 @@ class MoE(nnx.Module):
         self.w2 = param(rngs, (experts, inter, dim), ("experts", "mlp", "embed"), policy.param_dtype, policy.init_std)
         self.shared = SwiGLU(dim, inter * shared, swiglu_limit, policy=policy, rngs=rngs) if shared else None
 
-    def route(self, x_ND, tokens_N=None):
-        """(weights [N, k] fp32, expert ids [N, k]) for tokens x (a hash-routed layer reads their ids)."""
+    def route(self, x_ND, tokens_N=None, experts_Nk=None):
+        """(weights [N, k] fp32, expert ids [N, k]) for tokens x (a hash-routed layer reads their ids).
+        experts_Nk: the ids to take instead of the top-k (selection replay); the weights stay the scores'."""
         logits = jnp.dot(x_ND.astype(jnp.float32), self.gate[...].astype(jnp.float32),
                          precision=jax.lax.Precision.HIGHEST)
         scores = jnp.sqrt(jax.nn.softplus(logits))
-        if self.tid2eid is not None:
+        if experts_Nk is not None:
+            idx = experts_Nk.astype(jnp.int32)
+        elif self.tid2eid is not None:
             idx = jnp.take(self.tid2eid[...], tokens_N, axis=0)
         else:
             _, idx = jax.lax.top_k(scores + jax.lax.stop_gradient(self.bias[...]), self.top_k)
@@ -79,14 +82,15 @@ class MoE(nnx.Module):
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
         return weights * self.route_scale, idx
 
-    def __call__(self, x_BSD, tokens_BS=None, token_block: int = 0):
+    def __call__(self, x_BSD, tokens_BS=None, token_block: int = 0, experts=None):
         """The layer's FFN output [B, S, D]. token_block > 0 (the whole-sequence forward, `runtime.query_block`):
         on one device, rows of more tokens run their routed experts over blocks of that many tokens, each
         under `jax.checkpoint`, so that the expansion and the values saved for the backward pass last one
-        block; per token, so the same sums."""
+        block; per token, so the same sums. experts [B, S, k]: the routed experts to take (selection replay)."""
         shape = x_BSD.shape
         x = x_BSD.reshape(-1, shape[-1])
-        weights, idx = self.route(x, None if tokens_BS is None else tokens_BS.reshape(-1))
+        weights, idx = self.route(x, None if tokens_BS is None else tokens_BS.reshape(-1),
+                                  None if experts is None else experts.reshape(x.shape[0], -1))
         self.sow(nnx.Intermediate, "experts", idx.reshape(*shape[:-1], -1))
         form = expert_form(self.policy, shape[1], group_tokens(self.policy.lowering.layout, x.shape[0]))
         y = self.routed(x, weights, idx, form, token_block if 0 < token_block < shape[1] else 0)
