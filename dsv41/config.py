@@ -314,6 +314,10 @@ def _validate_common(cfg) -> None:
         raise ConfigError("model", cfg.model, "expected a non-empty model name")
     if not cfg.base_url.startswith(("http://", "https://")):
         raise ConfigError("base_url", cfg.base_url, "expected an http:// or https:// address")
+    qb = cfg.runtime.query_block  # every family reads it (V4 compat's MoE token blocks)
+    if isinstance(qb, bool) or not isinstance(qb, int) or qb < 0:
+        raise ConfigError("runtime.query_block", qb,
+                          "expected a whole number of queries ≥ 0 (0: the whole sequence at once)")
     a = cfg.architecture
     _positive(cfg, *(f"architecture.{k}" for k in (
         "vocab_size", "hidden_size", "num_heads", "head_dim", "rope_head_dim", "q_lora_rank",
@@ -436,10 +440,6 @@ def _validate_csa2(cfg) -> None:
         raise ConfigError("runtime.score_tile", cfg.runtime.score_tile,
                           f"expected a positive multiple of csa2.indexer.hierarchical.positions_per_block "
                           f"({h.positions_per_block}): a tile holds whole candidate-pool blocks")
-    qb = cfg.runtime.query_block
-    if isinstance(qb, bool) or not isinstance(qb, int) or qb < 0:
-        raise ConfigError("runtime.query_block", qb,
-                          "expected a whole number of queries ≥ 0 (0: the whole sequence at once)")
     if h.enabled and ix.top_k > h.candidate_pool_size:
         raise ConfigError("csa2.indexer.top_k", ix.top_k,
                           f"expected at most the candidate pool size ({h.candidate_pool_size}): "

@@ -632,7 +632,8 @@ def add_parser(subparsers):
     p.add_argument("--config", default="small", help="config name in configs/ or a .json/.toml/.py path")
     p.add_argument("--task", default="passkey", help="passkey | kv_recall | a .npy/.bin token file")
     p.add_argument("--token-dtype", default=None, help="dtype of a raw .bin token file, e.g. uint16")
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=100,
+                   help="optimiser steps (0: only score the starting weights on the held-out rows)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256, help="tokens per row (the task's context length)")
     p.add_argument("--seed", type=int, default=0)
@@ -667,7 +668,9 @@ def run(args) -> int:
 
     train_sets = dict(parse_override(s[len("train."):]) for s in args.set if s.startswith("train."))
     cfg = load_config(args.config, [s for s in args.set if not s.startswith("train.")])
-    tc = TrainConfig(total_steps=args.steps).replace(train_sets)
+    if args.steps < 0:
+        raise ConfigError("--steps", args.steps, "expected a step count of 0 or more (0: score the starting weights)")
+    tc = TrainConfig(total_steps=max(args.steps, 1)).replace(train_sets)
     synthetic = args.task in data_lib.TASKS
     if args.eval_every < 0 or (args.eval_every and not (synthetic and args.eval_batches > 0)):
         raise ConfigError("--eval-every", args.eval_every,

@@ -445,7 +445,8 @@ def test_cli_parser():
         train.run(parser.parse_args(["train", "--config", "tiny", "--init-from", "/nonexistent/w.safetensors"]))
     assert args.set == ["train.remat=block", "quant=none"]
     assert parser.parse_args(["train"]).eval_every == 0  # by default the held-out rows are scored at the end only
-    for bad, match in ((["--eval-every", "-1"], r"'--eval-every' = -1: expected 0"),
+    for bad, match in ((["--steps", "-1"], r"'--steps' = -1: expected a step count of 0 or more"),
+                       (["--eval-every", "-1"], r"'--eval-every' = -1: expected 0"),
                        (["--eval-every", "5", "--task", "/nonexistent/tokens.npy"],
                         r"'--eval-every' = 5: .*only for the synthetic tasks"),
                        (["--eval-every", "5", "--eval-batches", "0"], r"'--eval-every' = 5"),

@@ -95,6 +95,7 @@ def test_blockwise_step_memory_grows_linearly():
     assert temps(dense, 2048) >= 8 * temps(dense, 512)
 
 
-def test_query_block_must_be_a_whole_number_of_queries():
+@pytest.mark.parametrize("name", ["tiny", "tiny_v4"])
+def test_query_block_must_be_a_whole_number_of_queries(name):
     with pytest.raises(ConfigError, match="runtime.query_block"):
-        dsv41.load_config("tiny", overrides=["runtime.query_block=-1"])
+        dsv41.load_config(name, overrides=["runtime.query_block=-1"])
