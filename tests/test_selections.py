@@ -115,6 +115,7 @@ def test_forced_experts_weights_are_the_routers_scores():
     np.testing.assert_allclose(np.asarray(weights), w, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_prefill_and_decode_return_the_forwards_choices():
     """The selections a prefill chunk and the decode steps after it return are the whole-sequence forward's
     own over the same tokens (picks compared as sets; `quant: none`, the float cache)."""
@@ -140,6 +141,7 @@ def test_prefill_and_decode_return_the_forwards_choices():
     selections.check(cfg, got, _pos(tokens))
 
 
+@pytest.mark.slow
 def test_training_takes_replayed_selections():
     """loss_and_grads with the forward's own selections in the batch equals it without (loss to 1e-6, gradients
     to 1e-6 of their norm), blockwise; bad selections raise naming the field."""

@@ -34,6 +34,7 @@ def _served(cfg, variables, tokens):
     return np.stack(out, 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [0, 32])
 def test_ced_split_forward_equals_ced_serving(block):
     cfg = _cfg(f"runtime.query_block={block}")
@@ -54,6 +55,7 @@ def test_ced_split_forward_equals_ced_serving(block):
     assert np.max(np.abs(full - want)) > 1e-3 * scale
 
 
+@pytest.mark.slow
 def test_ced_split_training_batch():
     """A batch with prompt_lengths trains through the split (loss finite, differs from the full forward's);
     loss on a token before the decoder starts, or a prompt length outside [1, S], raises naming the field."""
