@@ -11,8 +11,10 @@ Presets:
   batch rows on every mesh axis; the single shared KV head (`kv`) is never split, since a tensor-split
   MQA head would have to be copied to every tensor rank anyway. Routed experts are split over
   `expert` and their intermediate width over `tensor`; everything else is replicated.
-- `train`: FSDP over data × expert (weights split on their model width), experts over `expert`,
-  heads and intermediate widths over `tensor`.
+- `train`: FSDP over data × expert × context (weights split on their model width, Engram tables on
+  their row width), experts over `expert`, heads and intermediate widths over `tensor`, rows over data
+  × expert and each row's tokens over `context` (sequence parallel: `attend.SequenceLayout`; the
+  whole-sequence forward, its gradient and the train step).
 
 The sharded steps are jax.jit of the same bodies as `dsv41.model` / `dsv41.steps` (`forward_body`,
 `step_body`) with explicit in/out shardings and the cache donated, traced with the MoE layers
@@ -38,9 +40,10 @@ from dsv41.cache import Cache, CompressedKV, abstract_cache, host_view, with_mir
 from dsv41.errors import ConfigError
 from dsv41.nn import moe as moe_lib
 from dsv41.nn import policy as policy_lib
+from dsv41.nn.attend import SequenceLayout
 from dsv41.nn.policy import Lowering
 
-MESH_AXES = ("data", "expert", "tensor")
+MESH_AXES = ("data", "expert", "tensor", "context")
 
 # The cache leaves' logical axes (the parameters carry theirs; see dsv41.cache for the layouts).
 CACHE_AXES = {
@@ -64,7 +67,7 @@ COMPRESSED_AXES = {  # each leaf stacked over its stack's groups (dsv41.cache.st
 _REPLICATED = ("layers", "window", "kv", "kv_scales", "ngram", "cache_seq", "index_scales", "group",
                "hc_mix", "hc_embed", "heads", "q_heads", "q_lora", "o_groups", "o_in", "o_lora", "o_proj",
                "index_heads", "index_dim", "engram_dim", "engram_in", "embed", "vocab", "mlp", "experts",
-               "engram_rows", "batch")
+               "engram_rows", "batch", "length")
 SERVE = {**{name: () for name in _REPLICATED},
          "batch": ("data", "expert", "tensor"),
          "experts": ("expert",),
@@ -73,21 +76,24 @@ SERVE = {**{name: () for name in _REPLICATED},
          # Engram tables (DESIGN §3.7, ~196B parameters at full size) hold prime row counts; they are not
          # split evenly, so a serving deployment keeps them in host memory (see compile_report).
          "engram_rows": ()}
+_FSDP = ("data", "expert", "context")  # the parameters' model widths over every axis that splits tokens
 TRAIN = {**{name: () for name in _REPLICATED},
          "batch": ("data", "expert"),
          "experts": ("expert",),
-         "embed": ("data", "expert"),
-         "q_lora": ("data", "expert"),
-         "o_in": ("data", "expert"),
-         "o_proj": ("data", "expert"),
-         "hc_embed": ("data", "expert"),
-         "engram_in": ("data", "expert"),
+         "embed": _FSDP,
+         "q_lora": _FSDP,
+         "o_in": _FSDP,
+         "o_proj": _FSDP,
+         "hc_embed": _FSDP,
+         "engram_in": _FSDP,
+         "engram_dim": _FSDP,
          "vocab": ("tensor",),
          "mlp": ("tensor",),
          "heads": ("tensor",),
          "q_heads": ("tensor",),
          "o_groups": ("tensor",),
-         "index_heads": ("tensor",)}
+         "index_heads": ("tensor",),
+         "length": ("context",)}
 PRESETS = {"serve": SERVE, "train": TRAIN}
 
 
@@ -101,7 +107,8 @@ def rules_for(rules) -> dict:
 
 
 def make_mesh(shape: Mapping[str, int], devices=None) -> Mesh:
-    """A mesh with axes data, expert, tensor (missing ones get size 1), e.g. make_mesh({"data": 2, "expert": 4}).
+    """A mesh with axes data, expert, tensor, context (missing ones get size 1), e.g.
+    make_mesh({"data": 2, "expert": 4}) or make_mesh({"data": 2, "context": 4}).
 
     The axis types are given explicitly (Auto: shardings propagate from the in/out shardings) because
     their default changed between jax releases.
@@ -198,25 +205,75 @@ def batch_sharding(mesh: Mesh, rules, shape, what: str) -> NamedSharding:
     return NamedSharding(mesh, logical_spec(axes, shape, mesh, rules, what=what, strict=True))
 
 
-def expert_layout(cfg, mesh: Mesh, rules="serve") -> moe_lib.ExpertLayout:
-    """The routed experts' layout under the rules: token rows over the "batch" mesh axes, and the experts
-    and intermediate width of the routed weights [experts, embed, mlp] over the mesh axes their parameter
-    sharding gives them (the embed split of FSDP rules is gathered on entry to the shard_map)."""
+def sequence_sharding(mesh: Mesh, rules, shape, what: str) -> NamedSharding:
+    """A whole sequence's inputs [B, S, ...]: rows over the batch axes, tokens over the length axes (the
+    rules' sequence parallelism; none under `serve`); [B] over the batch axes."""
+    axes = ("batch", "length")[:len(shape)] + (None,) * (len(shape) - 2)
+    return NamedSharding(mesh, logical_spec(axes, shape, mesh, rules, what=what, strict=True))
+
+
+def _live(mesh: Mesh, rules, name: str) -> tuple[str, ...]:
+    return tuple(a for a in rules_for(rules).get(name, ()) if mesh.shape.get(a, 1) > 1)
+
+
+def sequence_layout(mesh: Mesh, rules) -> SequenceLayout | None:
+    """The rules' sequence parallelism on `mesh`: tokens over the "length" mesh axes (None when they are all
+    of size 1)."""
+    seq, rows = _live(mesh, rules, "length"), _live(mesh, rules, "batch")
+    if not seq:
+        return None
+    if set(seq) & set(rows):
+        raise ConfigError("rules length", seq, f"expected mesh axes apart from the batch's {rows}")
+    return SequenceLayout(mesh, rows, seq)
+
+
+def expert_layout(cfg, mesh: Mesh, rules="serve", *, sequence: bool = False) -> moe_lib.ExpertLayout:
+    """The routed experts' layout under the rules: token rows over the "batch" mesh axes (then, sequence
+    parallel, over the "length" axes: the [B·S] tokens of a whole sequence), and the experts and intermediate
+    width of the routed weights [experts, embed, mlp] over the mesh axes their parameter sharding gives them
+    (the embed split of FSDP rules is gathered on entry to the shard_map)."""
     rules = rules_for(rules)
     a, m = cfg.architecture, cfg.architecture.moe
     spec = logical_spec(("experts", "embed", "mlp"), (m.num_experts, a.hidden_size, m.intermediate_size), mesh,
                         rules, what="routed experts")
     names = lambda s: () if s is None else (s,) if isinstance(s, str) else tuple(s)
-    tokens = tuple(name for name in rules.get("batch", ()) if mesh.shape.get(name, 1) > 1)
-    return moe_lib.ExpertLayout(mesh, tokens, names(spec[0]), names(spec[2]))
+    seq = _live(mesh, rules, "length") if sequence else ()
+    return moe_lib.ExpertLayout(mesh, _live(mesh, rules, "batch"), names(spec[0]), names(spec[2]), seq)
 
 
-def lowering_for(cfg, mesh: Mesh, rules, *, flop_counting: bool = False) -> Lowering:
+@dataclasses.dataclass(frozen=True)
+class WeightUse:
+    """Weights as the whole-sequence forward's matmuls read them (`Lowering.weights`): split only over the mesh
+    axes that do not split tokens (tensor parallel), i.e. FSDP weights gathered where they are used — inside
+    the layer scan, one layer group's at a time. Left to itself, XLA's partitioner gathered the activations
+    instead for some of them (the full-size train step held [B, S, 5120] arrays of every row and token on
+    each chip; docs/training_memory.md)."""
+    mesh: Mesh
+    rules_items: tuple
+
+    def at_use(self, w, axes):
+        spec = logical_spec(axes, w.shape, self.mesh, dict(self.rules_items), what="weight at use")
+        return jax.lax.with_sharding_constraint(w, NamedSharding(self.mesh, spec))
+
+
+def weight_use(mesh: Mesh, rules) -> WeightUse:
+    """The rules' weights at use: each logical name keeps its mesh axes except those splitting tokens (the
+    "batch" and "length" axes)."""
+    rules = rules_for(rules)
+    tokens = set(_live(mesh, rules, "batch")) | set(_live(mesh, rules, "length"))
+    return WeightUse(mesh, rules_key({name: tuple(a for a in axes if a not in tokens) for name, axes in rules.items()}))
+
+
+def lowering_for(cfg, mesh: Mesh, rules, *, flop_counting: bool = False, sequence: bool = False) -> Lowering:
     """How the steps are traced on `mesh`: the routed experts expert-parallel as the rules lay them out (and
     the Pallas kernels per device); flop_counting: experts per pick and the indexer's head loop unrolled, as
-    `policy.FLOP_COUNTING` (what XLA's cost analysis counts as computed)."""
+    `policy.FLOP_COUNTING` (what XLA's cost analysis counts as computed); sequence: a whole-sequence forward,
+    sequence parallel where the rules split "length" (`sequence_layout`), its weights gathered at use
+    (`weight_use`)."""
     base = policy_lib.FLOP_COUNTING if flop_counting else Lowering()
-    return dataclasses.replace(base, layout=expert_layout(cfg, mesh, rules))
+    return dataclasses.replace(base, layout=expert_layout(cfg, mesh, rules, sequence=sequence),
+                               sequence=sequence_layout(mesh, rules) if sequence else None,
+                               weights=weight_use(mesh, rules) if sequence else None)
 
 
 def put(x, sharding: NamedSharding):
@@ -243,25 +300,28 @@ def shard_cache(cache: Cache, cfg, mesh: Mesh, rules="serve") -> Cache:
     return jax.device_put(cache, cache_shardings(cfg, mesh, rules, batch=b, max_len=min(cap, cfg.context_window)))
 
 
-def _rules_key(rules) -> tuple:
+def rules_key(rules) -> tuple:
+    """A rules table (preset name or mapping) as a hashable value, for caches keyed by the rules."""
     return tuple(sorted((k, tuple(v)) for k, v in rules_for(rules).items()))
 
 
 @functools.lru_cache(maxsize=32)
-def _jitted(kind: str, key: str, mesh: Mesh, rules_key: tuple, shapes: tuple):
-    """The jitted sharded function of one kind, config, mesh and rules (shapes: the batch inputs' shapes)."""
-    cfg, rules = model_lib.config_from_key(key), dict(rules_key)
+def _jitted(kind: str, key: str, mesh: Mesh, rules_items: tuple, shapes: tuple):
+    """The jitted sharded function of one kind, config, mesh and rules (`rules_key`; shapes: the batch inputs'
+    shapes)."""
+    cfg, rules = model_lib.config_from_key(key), dict(rules_items)
     ps = param_shardings(cfg, mesh, rules)
     rep = NamedSharding(mesh, P())
     if kind == "init":
         return jax.jit(lambda k: model_lib.init_params(cfg, k), out_shardings=ps)
     tokens_shape, ids_shape = shapes[0], shapes[1]
-    tok = batch_sharding(mesh, rules, tokens_shape, "tokens")
-    ids = None if ids_shape is None else batch_sharding(mesh, rules, ids_shape, "engram_ids")
     if kind in ("forward", "grad"):
-        body = functools.partial(model_lib.forward_body, key, lowering_for(cfg, mesh, rules))
-        logits = NamedSharding(mesh, logical_spec(("batch", None, "vocab"), (*tokens_shape, cfg.architecture.vocab_size),
-                                                  mesh, rules, what="logits"))
+        tok = sequence_sharding(mesh, rules, tokens_shape, "tokens")
+        ids = None if ids_shape is None else sequence_sharding(mesh, rules, ids_shape, "engram_ids")
+        body = functools.partial(model_lib.forward_body, key, lowering_for(cfg, mesh, rules, sequence=True))
+        logits = NamedSharding(mesh, logical_spec(("batch", "length", "vocab"),
+                                                  (*tokens_shape, cfg.architecture.vocab_size), mesh, rules,
+                                                  what="logits"))
         if kind == "forward":
             return jax.jit(lambda p, t, pos, i: body(p, t, pos, i, False),
                            in_shardings=(ps, tok, tok, ids), out_shardings=logits)
@@ -338,7 +398,7 @@ def next_token_loss(logits_BSV, tokens_BS) -> jax.Array:
 
 def init_params(cfg, key: jax.Array, mesh: Mesh, rules="serve") -> nnx.State:
     """init_params with every parameter created directly in its shard (jit with out_shardings)."""
-    return _jitted("init", model_lib.config_key(cfg), mesh, _rules_key(rules), ())(key)
+    return _jitted("init", model_lib.config_key(cfg), mesh, rules_key(rules), ())(key)
 
 
 def init_cache(cfg, mesh: Mesh, rules="serve", *, batch: int, max_len: int) -> Cache:
@@ -358,24 +418,24 @@ def _forward_inputs(cfg, mesh, rules, tokens, engram_ids_BSLC, token_map):
     if engram_ids_BSLC is None:
         engram_ids_BSLC = model_lib.engram_ids(cfg, tokens, token_map)
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
-    tok = batch_sharding(mesh, rules, tokens.shape, "tokens")
+    tok = sequence_sharding(mesh, rules, tokens.shape, "tokens")
     ids = None if engram_ids_BSLC is None else np.asarray(engram_ids_BSLC, np.int32)
     shapes = (tokens.shape, None if ids is None else ids.shape)
     args = (put(tokens, tok), put(positions, tok),
-            None if ids is None else put(ids, batch_sharding(mesh, rules, ids.shape, "engram_ids")))
+            None if ids is None else put(ids, sequence_sharding(mesh, rules, ids.shape, "engram_ids")))
     return shapes, args
 
 
 def forward(params, cfg, tokens, mesh: Mesh, rules="serve", *, engram_ids_BSLC=None, token_map=None) -> jax.Array:
     """dsv41.forward on a mesh: logits [B, S, V] fp32 split over rows (B a multiple of the batch mesh axes)."""
     shapes, args = _forward_inputs(cfg, mesh, rules, tokens, engram_ids_BSLC, token_map)
-    return _jitted("forward", model_lib.config_key(cfg), mesh, _rules_key(rules), shapes)(params, *args)
+    return _jitted("forward", model_lib.config_key(cfg), mesh, rules_key(rules), shapes)(params, *args)
 
 
 def loss_and_grad(params, cfg, tokens, mesh: Mesh, rules="train", *, engram_ids_BSLC=None, token_map=None):
     """(next-token loss, gradient w.r.t. every parameter) on a mesh; the gradient is sharded like the params."""
     shapes, args = _forward_inputs(cfg, mesh, rules, tokens, engram_ids_BSLC, token_map)
-    return _jitted("grad", model_lib.config_key(cfg), mesh, _rules_key(rules), shapes)(params, *args)
+    return _jitted("grad", model_lib.config_key(cfg), mesh, rules_key(rules), shapes)(params, *args)
 
 
 def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, mesh: Mesh, rules="serve", token_map=None):
@@ -392,9 +452,8 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, mesh: Mesh, rule
     b = tokens.shape[0]
     ids, recent = steps_lib.engram_inputs(cfg, view.recent_tokens, tokens, counts, held, token_map)
     ids = None if ids is None else np.asarray(ids)
-    rules_key = _rules_key(rules)
-    step = _jitted("step", model_lib.config_key(cfg), mesh, rules_key, (tokens.shape, None if ids is None else ids.shape,
-                                                                         min(cap, cfg.context_window)))
+    shapes = (tokens.shape, None if ids is None else ids.shape, min(cap, cfg.context_window))
+    step = _jitted("step", model_lib.config_key(cfg), mesh, rules_key(rules), shapes)
     tok = batch_sharding(mesh, rules, tokens.shape, "tokens")
     logits, cache = step(params, cache, put(tokens, tok), put(counts, batch_sharding(mesh, rules, (b,), "lengths")),
                          None if ids is None else put(ids, batch_sharding(mesh, rules, ids.shape, "engram_ids")))

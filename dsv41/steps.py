@@ -84,7 +84,7 @@ class Bound:
             replay = min(cfg.swa_bounded_replay.decoder_replay_tokens, s) if final else 0
             logits, cache = _ced(key, None, self.treedef, self.leaves, cache, tokens, counts, ids, replay)
         elif selections:
-            logits, cache, chosen = _step_chosen(key, None, self.treedef, self.leaves, cache, tokens, counts, ids)
+            logits, cache, chosen = _step(key, None, self.treedef, self.leaves, cache, tokens, counts, ids, True)
         else:
             logits, cache = _step(key, None, self.treedef, self.leaves, cache, tokens, counts, ids)
         if ids is not None:
@@ -320,15 +320,11 @@ def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, eng
 
 # The jitted steps take the parameters as their leaves and (static) tree structure: a list of arrays is
 # flattened in C++, an nnx.State calls Python once per Variable (`Bound` flattens once).
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
-def _step(key, lowering, treedef, leaves, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
-    return step_body(key, lowering, jax.tree.unflatten(treedef, leaves), cache, tokens_BS, counts_B, engram_ids_BSLC)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=4)
-def _step_chosen(key, lowering, treedef, leaves, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 8), donate_argnums=4)
+def _step(key, lowering, treedef, leaves, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC, chosen: bool = False):
+    """The jitted `step_body`; chosen (static): also return the selections it made."""
     return step_body(key, lowering, jax.tree.unflatten(treedef, leaves), cache, tokens_BS, counts_B, engram_ids_BSLC,
-                     chosen=True)
+                     chosen=chosen)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 8), donate_argnums=4)

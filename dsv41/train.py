@@ -18,7 +18,11 @@ One optimiser step is the pure, jitted `train_step(state, batch) -> (state, metr
   block; the blockwise forward's picks are kept), `"dots"` keeps only the matmul outputs of each block,
   `"none"` keeps everything;
 - sequences longer than `runtime.query_block` run blockwise (`Attention._blockwise`, `_layer_kl_blocks`):
-  memory linear in the length, the same loss and gradients as every query at once.
+  memory linear in the length, the same loss and gradients as every query at once;
+- on a mesh (`make_train_step(..., mesh=)`, `dsv41.sharding`'s `train` rules): FSDP parameters and
+  optimiser state, rows over data × expert and each row's tokens over `context` (sequence parallel: the
+  query blocks run one per device span at a time, the keys gathered whole per layer), the same loss and
+  gradients as one device.
 Only `nnx.Param` leaves are differentiated and updated by the optimiser; the other variables
 (`BalanceBias`, V4's fixed `HashRoute` tables) travel in `TrainState.buffers`.
 """
@@ -40,7 +44,7 @@ from dsv41 import model as model_lib
 from dsv41 import schema, selections
 from dsv41.errors import ConfigError
 from dsv41.nn import indexer as ix
-from dsv41.nn.attend import band_source, over_query_blocks, window_from, window_mask
+from dsv41.nn.attend import band_source, blocks_length, over_query_blocks, window_from, window_mask
 from dsv41.nn.moe import BalanceBias
 from dsv41.nn.rope import apply_rope
 from dsv41.plan import FULL, REINDEX, layer_plan, layer_stacks
@@ -267,8 +271,11 @@ def _layer_kl_blocks(model, rows: list[dict], i: int, positions_BS, kl_over: str
     latent = sg(source.compressor(source_block.attn_norm(rows[rec.kv_source]["attn_input"])))
     keys = source.indexer.keys(latent, ix.entry_positions(latent, rec.ratio), cinv, attn.fake_quant)
     window, qb, scale = attn.window, attn.query_block, attn.head_dim ** -0.5
-    padded = -(-s // qb) * qb
-    win_keys, win_pos, win_ok = band_source(row["window_kv"], positions_BS, window, padded, window_start)
+    seq = attn.policy.lowering.sequence  # sequence parallel: every lane reads the whole keys
+    win_keys, win_pos, win_ok = band_source(row["window_kv"], positions_BS, window, blocks_length(s, qb, seq),
+                                            window_start)
+    if seq is not None:
+        win_keys, win_pos, win_ok, entries, keys = (seq.whole(a) for a in (win_keys, win_pos, win_ok, entries, keys))
     if kl_over == "selected":
         chosen = row["picks"]
     elif rec.candidate_source is not None:
@@ -314,7 +321,7 @@ def _layer_kl_blocks(model, rows: list[dict], i: int, positions_BS, kl_over: str
         has = allowed.any(-1)
         return jnp.where(has, kl, 0.0), has
 
-    return over_query_blocks(one, qb, q, qI, w, positions_BS, chosen, pads=(0, 0, 0, -1, -1))
+    return over_query_blocks(one, qb, q, qI, w, positions_BS, chosen, pads=(0, 0, 0, -1, -1), sequence=seq)
 
 
 def expert_load(model, rows: list[dict]) -> dict[int, jax.Array]:
@@ -404,10 +411,11 @@ def decoder_window_start(cfg, prompt_lengths_B, shape=None):
     return np.maximum(lengths - replay, 0)
 
 
-def _loss_fn(cfg, tc: TrainConfig):
+def _loss_fn(cfg, tc: TrainConfig, lowering=None):
     """losses(params, buffers, batch, n_tokens, n_rows) -> (loss, (Σ ce, Σ kl, expert load)) of one (micro-)batch,
-    the sums over the whole batch's denominators (so micro-batch gradients add up to the batch's)."""
-    graphdef = model_lib.graphdef(model_lib.config_key(cfg))
+    the sums over the whole batch's denominators (so micro-batch gradients add up to the batch's). lowering:
+    how the model is traced (`mesh_lowering` on a mesh)."""
+    graphdef = model_lib.graphdef(model_lib.config_key(cfg), lowering)
     use_kl = tc.indexer_kl_weight > 0 and cfg.architecture.family == schema.V41
 
     def losses(params, buffers, mb, n_tokens, n_rows):
@@ -427,55 +435,125 @@ def _loss_fn(cfg, tc: TrainConfig):
     return losses
 
 
-def loss_and_grads(cfg, tc: TrainConfig, variables: nnx.State, batch: dict):
+def loss_and_grads(cfg, tc: TrainConfig, variables: nnx.State, batch: dict, *, mesh=None, rules="train"):
     """(metrics {loss, ce, kl}, gradients of the Param leaves) of one batch at `variables` (`init_params`'
     state), as `train_step` computes them before its update (no accumulation, no clipping): what the blockwise
-    and whole-sequence forwards are compared by, and what a custom optimiser loop can start from."""
+    and whole-sequence forwards are compared by, and what a custom optimiser loop can start from. mesh: run
+    on it under `rules` (as `make_train_step`); the gradients come back sharded like the parameters."""
     batch = _check_batch(cfg, batch)
     batch = with_engram_ids(cfg, batch)
+    rules_items = ()
+    if mesh is not None:
+        from dsv41 import sharding
+        variables = jax.device_put(variables, sharding.param_shardings(cfg, mesh, rules))
+        batch = shard_batch(cfg, batch, mesh, rules)
+        rules_items = sharding.rules_key(rules)
     params, buffers = split_variables(variables)
     b, s = batch["inputs"].shape
     n_tokens = jnp.maximum(jnp.sum(jnp.asarray(batch["loss_mask"], jnp.float32)), 1.0)
     n_rows = float(max(kl_rows(cfg, b, s), 1))
-    grads, (ce_sum, kl_sum, _) = _jitted_grads(model_lib.config_key(cfg), tc)(params, buffers, batch, n_tokens,
-                                                                             n_rows)
+    grads, (ce_sum, kl_sum, _) = _jitted_grads(model_lib.config_key(cfg), tc, mesh, rules_items)(
+        params, buffers, batch, n_tokens, n_rows)
     ce, kl = ce_sum / n_tokens, kl_sum / n_rows
     return {"loss": (0.0 if tc.freeze_main else ce) + tc.indexer_kl_weight * kl, "ce": ce, "kl": kl}, grads
 
 
-def cpu_compiler_options() -> dict | None:
-    """XLA options of the training programs on the CPU backend (None elsewhere).
+def cpu_compiler_options(mesh=None) -> dict | None:
+    """XLA options of the training programs on the CPU backend (None elsewhere; mesh: the devices the program
+    is for, e.g. a TPU topology compiled ahead of time on this CPU).
 
     XLA:CPU's concurrency-optimised scheduler (its default) starts every rematerialised layer group's
     recomputation at the head of the backward pass, where they all stay live: at 16K tokens of the
     passkey config the step's temporaries were 4.77 GB with it and 2.23 GB with the memory-optimised
     scheduler (`compiled.memory_analysis()`, remat="block")."""
-    if jax.default_backend() != "cpu":
+    if (jax.default_backend() if mesh is None else mesh.devices.flat[0].platform) != "cpu":
         return None
     return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 
 @functools.lru_cache(maxsize=8)
-def _jitted_grads(key: str, tc: TrainConfig):
-    return jax.jit(jax.grad(_loss_fn(model_lib.config_from_key(key), tc), has_aux=True),
-                   compiler_options=cpu_compiler_options())
+def _jitted_grads(key: str, tc: TrainConfig, mesh=None, rules_items: tuple = ()):
+    """The jitted gradient of `_loss_fn`; on a mesh under the rules (rules_items: `sharding.rules_key`), the
+    gradients sharded like the parameters."""
+    cfg = model_lib.config_from_key(key)
+    fn = jax.grad(_loss_fn(cfg, tc, None if mesh is None else mesh_lowering(cfg, mesh, dict(rules_items))),
+                  has_aux=True)
+    if mesh is None:
+        return jax.jit(fn, compiler_options=cpu_compiler_options())
+    from jax.sharding import NamedSharding, PartitionSpec
+    params = state_shardings(cfg, tc, mesh, dict(rules_items)).params
+    return jax.jit(fn, out_shardings=(params, NamedSharding(mesh, PartitionSpec())),
+                   compiler_options=cpu_compiler_options(mesh))
 
 
-def make_train_step(cfg, tc: TrainConfig):
+# ------------------------------------------------------------------------------------------------
+# On a mesh
+
+
+def mesh_lowering(cfg, mesh, rules="train"):
+    """How the training forward is traced on `mesh` under `rules`: experts expert-parallel over the rules'
+    axes, and sequence parallel where they split "length" (`dsv41.sharding.lowering_for`)."""
+    from dsv41 import sharding
+    return sharding.lowering_for(cfg, mesh, rules, sequence=True)
+
+
+def state_shardings(cfg, tc: TrainConfig, mesh, rules="train") -> TrainState:
+    """NamedSharding per TrainState leaf: parameters and their optimiser moments as the rules shard the
+    parameters, the rest (step, optimiser counters, buffers without axes) replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from dsv41 import sharding
+    params, buffers = split_variables(sharding.param_shardings(cfg, mesh, rules))
+    whole = NamedSharding(mesh, PartitionSpec())
+    opt_state = optax.tree_map_params(optimizer(tc), lambda _, spec: spec, abstract_state(cfg, tc).opt_state,
+                                      params, transform_non_params=lambda _: whole)
+    return TrainState(params, opt_state, whole, buffers)
+
+
+def shard_state(state: TrainState, cfg, tc: TrainConfig, mesh, rules="train") -> TrainState:
+    """A TrainState (e.g. `init_state`'s, or restored) placed on `mesh` as `state_shardings` says."""
+    return jax.device_put(state, state_shardings(cfg, tc, mesh, rules))
+
+
+def shard_batch(cfg, batch: dict, mesh, rules="train") -> dict:
+    """A checked batch on `mesh`: each [B, S, …] array's rows over the rules' batch axes and its tokens over
+    the length axes (`dsv41.sharding.sequence_sharding`); prompt_lengths [B] over the batch axes. B and S must
+    divide evenly (the error names the array and the mesh axes)."""
+    from dsv41 import sharding
+
+    def place(path, x):
+        x = np.asarray(x)
+        name = "batch" + "".join(f"[{getattr(k, 'key', getattr(k, 'idx', k))!r}]" for k in path)
+        return sharding.put(x, sharding.sequence_sharding(mesh, rules, x.shape, name))
+
+    return jax.tree_util.tree_map_with_path(place, batch)
+
+
+def make_train_step(cfg, tc: TrainConfig, *, mesh=None, rules="train"):
     """The jitted pure `train_step(state, batch) -> (state, metrics)` of a config.
 
     batch: {"inputs": int32 [B, S], "targets": int32 [B, S] (the next tokens), "loss_mask": [B, S]
     (1 where the target is trained on)}. With grad_accum = A, B must be a multiple of A and the step
     scans A micro-batches of B/A rows. metrics: loss (total), ce, kl, grad_norm, lr, tokens, and the
     mean |load − mean load| / mean load over the MoE layers (`imbalance`, before this step's update).
+
+    mesh (`dsv41.sharding.make_mesh`, e.g. {"data": 2, "context": 4}): the step runs on it under `rules`
+    (`train`: FSDP parameters and moments, rows over data × expert, each row's tokens over `context`); the
+    state is placed there (`shard_state`) and donated, the batch's host arrays split as `shard_batch` says.
     """
     key = model_lib.config_key(cfg)
-    graphdef = model_lib.graphdef(key)
+    lowering = None if mesh is None else mesh_lowering(cfg, mesh, rules)
+    graphdef = model_lib.graphdef(key, lowering)
     opt = optimizer(tc)
     lr = schedule(tc)
-    grad_fn = jax.grad(_loss_fn(cfg, tc), has_aux=True)
+    grad_fn = jax.grad(_loss_fn(cfg, tc, lowering), has_aux=True)
+    placed = {}
+    if mesh is not None:
+        from jax.sharding import NamedSharding, PartitionSpec
+        shardings = state_shardings(cfg, tc, mesh, rules)
+        placed = dict(out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())), donate_argnums=0)
 
-    @functools.partial(jax.jit, compiler_options=cpu_compiler_options())
+    @functools.partial(jax.jit, compiler_options=cpu_compiler_options(mesh), **placed)
     def train_step(state: TrainState, batch: dict):
         b, s = batch["inputs"].shape
         a = tc.grad_accum
@@ -512,7 +590,10 @@ def make_train_step(cfg, tc: TrainConfig):
         if batch["inputs"].shape[0] % tc.grad_accum:
             raise ConfigError("train.grad_accum", tc.grad_accum,
                               f"expected a divisor of the batch size {batch['inputs'].shape[0]}")
-        return train_step(state, with_engram_ids(cfg, batch))
+        batch = with_engram_ids(cfg, batch)
+        if mesh is not None:
+            state, batch = jax.device_put(state, shardings), shard_batch(cfg, batch, mesh, rules)
+        return train_step(state, batch)
 
     checked.jitted = train_step
     return checked
@@ -538,13 +619,13 @@ def update_balance(cfg, buffers: nnx.State, load: dict[int, jax.Array], rate: fl
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_step(key: str, tc: TrainConfig):
-    return make_train_step(model_lib.config_from_key(key), tc)
+def _cached_step(key: str, tc: TrainConfig, mesh=None):
+    return make_train_step(model_lib.config_from_key(key), tc, mesh=mesh)
 
 
-def train_step_for(cfg, tc: TrainConfig):
-    """`make_train_step`, compiled once per (config, TrainConfig) in this process."""
-    return _cached_step(model_lib.config_key(cfg), tc)
+def train_step_for(cfg, tc: TrainConfig, mesh=None):
+    """`make_train_step`, compiled once per (config, TrainConfig, mesh) in this process."""
+    return _cached_step(model_lib.config_key(cfg), tc, mesh)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -552,11 +633,13 @@ def train_step_for(cfg, tc: TrainConfig):
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _score(key, params, buffers, inputs, targets, mask, engram_ids=None):
-    """Per row: (every response token is the argmax, Σ response-token CE, response tokens)."""
+def _score(key, params, buffers, inputs, targets, mask, engram_ids=None, forced=None, decoder_window_start=None):
+    """Per row: (every response token is the argmax, Σ response-token CE, response tokens), of the forward the
+    training loss runs (forced to a batch's selections, its decoder split where the batch says)."""
     model = nnx.merge(model_lib.graphdef(key), params, buffers)
     positions = jnp.broadcast_to(jnp.arange(inputs.shape[1], dtype=jnp.int32), inputs.shape)
-    logits = model(inputs, positions, engram_ids).astype(jnp.float32)
+    logits = model(inputs, positions, engram_ids, forced=forced,
+                   decoder_window_start=decoder_window_start).astype(jnp.float32)
     hit = (jnp.argmax(logits, -1) == targets) | (mask == 0)
     ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
     return jnp.all(hit, axis=-1), jnp.sum(ce * mask, axis=-1), jnp.sum(mask, axis=-1)
@@ -565,8 +648,10 @@ def _score(key, params, buffers, inputs, targets, mask, engram_ids=None):
 def _scores(state: TrainState, cfg, batch: dict):
     batch = _check_batch(cfg, batch)
     batch = with_engram_ids(cfg, batch)
+    start = decoder_window_start(cfg, batch["prompt_lengths"]) if "prompt_lengths" in batch else None
     return _score(model_lib.config_key(cfg), state.params, state.buffers,
-                  *(jnp.asarray(batch[k]) for k in ("inputs", "targets", "loss_mask")), batch.get("engram_ids"))
+                  *(jnp.asarray(batch[k]) for k in ("inputs", "targets", "loss_mask")), batch.get("engram_ids"),
+                  batch.get("selections"), start)
 
 
 def answer_exact_match(state: TrainState, cfg, batch: dict) -> np.ndarray:
@@ -585,7 +670,8 @@ def evaluate(state: TrainState, cfg, batches: list[dict]) -> dict:
 
 
 def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=None, progress=None,
-        initial: nnx.State | None = None, evaluator=None, eval_every: int = 0) -> tuple[TrainState, list[dict]]:
+        initial: nnx.State | None = None, evaluator=None, eval_every: int = 0,
+        mesh=None) -> tuple[TrainState, list[dict]]:
     """Runs `steps` optimiser steps in total (resuming from `checkpointer`'s newest complete step if any).
 
     data: an iterator of batches with `state()` / `restore(dict)` (`dsv41.data`); progress: a
@@ -593,9 +679,10 @@ def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=N
     metrics of the steps run here, as floats). initial: the variables a fresh run starts from (`load_params`
     of an exported or converted checkpoint) instead of a random init; a resumed run ignores it.
     evaluator: a callable(state) -> {name: float} (e.g. `evaluate` on held-out batches) run after every
-    `eval_every`-th step; its results join that step's metrics as `eval_<name>`.
+    `eval_every`-th step; its results join that step's metrics as `eval_<name>`. mesh: train on it (the
+    `train` rules: FSDP, rows over data × expert, tokens over context; `make_train_step`).
     """
-    step_fn = train_step_for(cfg, tc)
+    step_fn = train_step_for(cfg, tc, mesh)
     state, start = None, 0
     if checkpointer is not None and checkpointer.latest_step() is not None:
         state, data_state = checkpointer.restore(abstract_state(cfg, tc), cfg=cfg)
@@ -603,6 +690,8 @@ def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=N
         start = int(state.step)
     if state is None:
         state = init_state(cfg, tc, jax.random.key(seed), initial)
+    if mesh is not None:
+        state = shard_state(state, cfg, tc, mesh)
     history = []
     for step in range(start, steps):
         state, metrics = step_fn(state, next(data))
@@ -658,6 +747,10 @@ def add_parser(subparsers):
                    help="write the trained variables (parameters and balance biases) to one safetensors file "
                         "that dsv41.convert.load_params reads")
     p.add_argument("--export-dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                   help="train on a mesh of the local devices, e.g. context=8 or data=2,context=4 (rules `train`: "
+                        "FSDP over data × expert, rows over data × expert, each row's tokens over context: "
+                        "sequence parallel); --batch must divide over data × expert and --seq over context")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     return p
 
@@ -714,9 +807,14 @@ def run(args) -> int:
             bar.write(f"step {step}: held-out exact match {m['eval_exact_match']:.3f}, "
                       f"answer CE {m['eval_answer_ce']:.4f} ({m['eval_rows']} rows)")
 
+    mesh = None
+    if args.mesh is not None:
+        from dsv41 import sharding
+        mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh))
     t0 = time.time()
     state, history = fit(cfg, tc, data, args.steps, seed=args.seed, checkpointer=ckpt, progress=progress,
-                         initial=initial, evaluator=lambda st: evaluate(st, cfg, held_out), eval_every=args.eval_every)
+                         initial=initial, evaluator=lambda st: evaluate(st, cfg, held_out), eval_every=args.eval_every,
+                         mesh=mesh)
     bar.close()
     if ckpt is not None:
         ckpt.close()

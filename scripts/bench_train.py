@@ -11,14 +11,20 @@ an estimate above --max-gib). Batch --batch rows of synthetic passkey data, `tra
 default TrainConfig (or --set train fields). The machine's load (/proc/loadavg) is printed before each run:
 compare figures of one run only.
 
+With --mesh (e.g. context=8) the step runs sequence parallel on that many simulated CPU devices
+(`train.make_train_step(..., mesh=)`); XLA's estimate is then per device, the RSS the whole process's (every
+device's).
+
     python scripts/bench_train.py --config passkey --seqs 1024,4096,16384 --forms blockwise,dense
     python scripts/bench_train.py --seqs 65536 --forms blockwise --json
+    python scripts/bench_train.py --seqs 16384 --forms blockwise --mesh context=8 --estimate-only blockwise
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -41,7 +47,12 @@ def one(args) -> dict:
     state = train.init_state(cfg, tc, jax.random.key(0))
     batch = {k: jax.numpy.asarray(v) for k, v in
              next(data_lib.Synthetic("passkey", args.batch, args.seq, seed=0)).items()}
-    step = train.make_train_step(cfg, tc)
+    mesh = None
+    if args.mesh:
+        from dsv41 import sharding
+        mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh))
+        state, batch = train.shard_state(state, cfg, tc, mesh), train.shard_batch(cfg, batch, mesh)
+    step = train.make_train_step(cfg, tc, mesh=mesh)
     t0 = time.perf_counter()
     compiled = step.jitted.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -58,7 +69,7 @@ def one(args) -> dict:
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        new_state, metrics = compiled(state, batch)
+        state, metrics = compiled(state, batch)  # (donated on a mesh)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux, the whole process's
@@ -89,6 +100,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-gib", type=float, default=20.0,
                    help="run a step only where XLA's estimate is at most this (default 20 GiB)")
     p.add_argument("--estimate-only", default="", help="forms only compiled, never run (e.g. dense)")
+    p.add_argument("--mesh", default="", metavar="AXIS=N,...",
+                   help="run on a mesh of simulated CPU devices, e.g. context=8 (sequence parallel)")
     p.add_argument("--json", action="store_true", help="one JSON object per line on stdout")
     p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     p.add_argument("--form", help=argparse.SUPPRESS)
@@ -109,9 +122,14 @@ def main(argv=None) -> int:
             load = open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else "?"
             cmd = [sys.executable, __file__, "--seq", str(seq), "--form", form, "--config", args.config,
                    "--query-block", str(args.query_block), "--batch", str(args.batch), "--repeats", str(args.repeats),
-                   "--max-gib", str(args.max_gib), "--estimate-only", args.estimate_only,
+                   "--max-gib", str(args.max_gib), "--estimate-only", args.estimate_only, f"--mesh={args.mesh}",
                    *[f"--set={s}" for s in args.set], *[f"--train={t}" for t in args.train]]
-            run = subprocess.run(cmd, capture_output=True, text=True)
+            env = dict(os.environ)
+            if args.mesh:
+                from dsv41 import sharding
+                devices = math.prod(sharding.parse_mesh(args.mesh).values())
+                env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+            run = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if run.returncode:
                 row = {"seq": seq, "form": form, "error": run.stderr.strip().splitlines()[-1:]}
             else:

@@ -149,7 +149,7 @@ def test_layout_errors_name_the_field():
     from dsv41 import sharding as sh
     from dsv41.errors import ConfigError
     from dsv41.nn.moe import ExpertLayout
-    mesh = jax.make_mesh((1, 1, 1), sh.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    mesh = sh.make_mesh({}, devices=jax.devices()[:1])
     with pytest.raises(ConfigError, match="token_axes.*'batch'"):
         ExpertLayout(mesh, ("batch",), (), ())
     with pytest.raises(ConfigError, match="distinct mesh axes"):
@@ -163,7 +163,7 @@ def test_one_device_mesh_runs_the_single_device_code():
     from dsv41 import sharding as sh
     cfg, layer = _layer()
     graph, state = nnx.split(layer)
-    mesh = jax.make_mesh((1, 1, 1), sh.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    mesh = sh.make_mesh({}, devices=jax.devices()[:1])
     one = nnx.graphdef(_layer(0, sh.expert_layout(cfg, mesh, "serve"))[1])
     x = jax.random.normal(jax.random.key(0), (2, 5, cfg.architecture.hidden_size))
     plain = lambda x: nnx.capture(nnx.merge(graph, state), nnx.Intermediate)(x)[0]

@@ -88,7 +88,7 @@ def _checks() -> dict:
         for t in steps:
             logits, c = sh.decode(p, cfg, c, t, mesh=mesh, rules="serve")
             got.append(np.asarray(logits))
-        key, rules = model_lib.config_key(cfg), sh._rules_key("serve")
+        key, rules = model_lib.config_key(cfg), sh.rules_key("serve")
         fwd_shapes, fwd_args = sh._forward_inputs(cfg, mesh, "serve", tokens, None, None)
         step_args = (p, c, sh.put(steps[0][:, None], sh.batch_sharding(mesh, "serve", (b, 1), "tokens")),
                      sh.put(np.ones(b, np.int32), sh.batch_sharding(mesh, "serve", (b,), "lengths")), None)
@@ -126,7 +126,7 @@ def _checks() -> dict:
         model_lib.forward_body(model_lib.config_key(cfg), None, q, tokens, positions, None), tokens)))(params)
     loss, grad = sh.loss_and_grad(p, cfg, tokens, mesh, "train")
     shapes, args = sh._forward_inputs(cfg, mesh, "train", tokens, None, None)
-    grad_fn = sh._jitted("grad", model_lib.config_key(cfg), mesh, sh._rules_key("train"), shapes)
+    grad_fn = sh._jitted("grad", model_lib.config_key(cfg), mesh, sh.rules_key("train"), shapes)
     out["train"] = {
         "shard_maps": shard_maps(grad_fn, p, *args),
         "init": init_diff,
@@ -176,7 +176,7 @@ def _kernel_checks() -> dict:
     got.append(np.asarray(logits))
     step_args = (p, c, sh.put(nxt[:, None], sh.batch_sharding(mesh, "serve", (b, 1), "tokens")),
                  sh.put(np.ones(b, np.int32), sh.batch_sharding(mesh, "serve", (b,), "lengths")), None)
-    jaxpr = str(sh._jitted("step", model_lib.config_key(kcfg), mesh, sh._rules_key("serve"),
+    jaxpr = str(sh._jitted("step", model_lib.config_key(kcfg), mesh, sh.rules_key("serve"),
                            ((b, 1), None, cap)).trace(*step_args).jaxpr)
     got.append(np.asarray(sh.decode(p, kcfg, c, nxt, mesh=mesh, rules="serve")[0]))
     return {"steps": [float(np.abs(x - y).max()) for x, y in zip(got, ref)],
@@ -266,7 +266,7 @@ def test_rules_errors_name_the_field():
     import jax
     from dsv41 import sharding as sh
     from dsv41.errors import ConfigError
-    mesh = jax.make_mesh((1, 1, 1), sh.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    mesh = sh.make_mesh({}, devices=jax.devices()[:1])
     with pytest.raises(ConfigError, match="rules"):
         sh.rules_for("fast")
     with pytest.raises(ConfigError, match="mesh"):

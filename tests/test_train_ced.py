@@ -53,6 +53,19 @@ def test_ced_split_forward_equals_ced_serving(block):
     # and the split matters: every layer over every token (the full forward) differs from the served logits
     full = np.asarray(model(jnp.asarray(tokens), pos))[:, PROMPT - 1:PROMPT + RESPONSE - 1]
     assert np.max(np.abs(full - want)) > 1e-3 * scale
+    # held-out scoring of such a batch runs the same split: its answer CE is the served logits' (NumPy, float64)
+    mask = np.zeros((2, PROMPT + RESPONSE - 1), np.float32)
+    mask[:, PROMPT - 1:] = 1.0
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask,
+             "prompt_lengths": np.full((2,), PROMPT)}
+    state = train.init_state(cfg, train.TrainConfig(), jax.random.key(0), variables)
+    served = want.astype(np.float64)
+    logp = served - np.log(np.sum(np.exp(served - served.max(-1, keepdims=True)), -1, keepdims=True)) \
+        - served.max(-1, keepdims=True)
+    ce = -np.mean(np.take_along_axis(logp, tokens[:, PROMPT:, None], -1))
+    assert abs(train.evaluate(state, cfg, [batch])["answer_ce"] - ce) <= 1e-5 * ce
+    unsplit = {k: v for k, v in batch.items() if k != "prompt_lengths"}
+    assert abs(train.evaluate(state, cfg, [unsplit])["answer_ce"] - ce) > 1e-4 * ce
 
 
 @pytest.mark.slow

@@ -9,9 +9,11 @@ kernels' references (`dsv41.kernels`) all call `attend_step`; it depends on JAX 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 NEG_INF = -jnp.inf
 HI = jax.lax.Precision.HIGHEST
@@ -93,24 +95,87 @@ def window_from(positions_BS, start_B=None):
     return positions_BS >= start_B[:, None]
 
 
-def over_query_blocks(fn, block: int, *arrays, pads, remat: bool = True):
+@dataclasses.dataclass(frozen=True)
+class SequenceLayout:
+    """Sequence (context) parallelism on a mesh (`Lowering.sequence`): the token rows split over `batch_axes`,
+    each row's tokens cut into `lanes` contiguous spans over `seq_axes` (major first). The whole-sequence
+    forward then runs its query blocks one per lane at a time (`over_query_blocks`), each lane on the devices
+    holding its span, and the keys every lane reads (window keys, compressed entries, indexer keys: one shared
+    head's width per token or per compressed group, small beside the residual streams) are gathered whole once
+    per layer (`whole`)."""
+    mesh: Mesh
+    batch_axes: tuple[str, ...]
+    seq_axes: tuple[str, ...]
+
+    @property
+    def lanes(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.seq_axes)
+
+    def _constrain(self, x, dims: dict):
+        on = lambda names: None if not names else names[0] if len(names) == 1 else names
+        spec = [None] * x.ndim
+        for dim, names in dims.items():
+            spec[dim] = on(names)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
+
+    def split(self, x, seq_dim: int = 1, batch_dim: int = 0):
+        """x [B, S, ...] (or None) held as its rows over the batch axes and its tokens over the sequence axes
+        (dims batch_dim and seq_dim)."""
+        return None if x is None else self._constrain(x, {batch_dim: self.batch_axes, seq_dim: self.seq_axes})
+
+    def whole(self, x):
+        """x [B, T, ...] (or None) held whole on every lane (its rows still over the batch axes)."""
+        return None if x is None else self._constrain(x, {0: self.batch_axes})
+
+
+def lanes_of(sequence) -> int:
+    return 1 if sequence is None else sequence.lanes
+
+
+def blocks_length(s: int, block: int, sequence=None) -> int:
+    """The length `over_query_blocks` pads a sequence of s tokens to: whole blocks, as many per lane."""
+    per = block * lanes_of(sequence)
+    return -(-s // per) * per
+
+
+def over_query_blocks(fn, block: int, *arrays, pads, remat: bool = True, sequence: SequenceLayout | None = None):
     """fn(n, *blocks) over the blocks of `block` queries of a sequence, as one `lax.scan`: each array [B, S, …]
     (or None) is padded to a whole number of blocks with its value in `pads` and cut into blocks [B, Q, …];
     fn returns a pytree of [B, Q, …] arrays (or None), stitched back to [B, S, …]. remat: each block under
-    `jax.checkpoint`, so that the backward pass keeps a block's inputs only (memory linear in S)."""
-    s = next(a for a in arrays if a is not None).shape[1]
-    nb = -(-s // block)
+    `jax.checkpoint`, so that the backward pass keeps a block's inputs only (memory linear in S).
 
-    def cut(a, value):
+    sequence (a `SequenceLayout` of L lanes): the sequence is cut into L contiguous spans of M blocks each and
+    the scan runs M steps, each applying fn to one block of every span at once (vmapped; block n = l·M + m),
+    every span on the devices that hold it: the same blocks and results, L at a time."""
+    s = next(a for a in arrays if a is not None).shape[1]
+    lanes = lanes_of(sequence)
+    total = blocks_length(s, block, sequence)
+    nb = total // (block * lanes)  # scan steps (blocks per lane)
+    body = jax.checkpoint(fn, prevent_cse=False) if remat else fn
+    if lanes > 1:
+        body = jax.vmap(body, in_axes=(0,) + (1,) * len(arrays), out_axes=1)
+
+    def cut(a, value):  # [B, S, …] -> [nb, B, Q, …], or [nb, B, L, Q, …] over lanes
         if a is None:
             return None
-        a = jnp.pad(a, [(0, 0), (0, nb * block - s)] + [(0, 0)] * (a.ndim - 2), constant_values=value)
-        return jnp.moveaxis(a.reshape(a.shape[0], nb, block, *a.shape[2:]), 1, 0)
+        a = jnp.pad(a, [(0, 0), (0, total - s)] + [(0, 0)] * (a.ndim - 2), constant_values=value)
+        if lanes == 1:
+            return jnp.moveaxis(a.reshape(a.shape[0], nb, block, *a.shape[2:]), 1, 0)
+        a = jnp.moveaxis(a.reshape(a.shape[0], lanes, nb, block, *a.shape[2:]), 2, 0)
+        return sequence.split(a, seq_dim=2, batch_dim=1)
 
-    body = jax.checkpoint(fn, prevent_cse=False) if remat else fn
-    xs = (jnp.arange(nb, dtype=jnp.int32), *(cut(a, v) for a, v in zip(arrays, pads, strict=True)))
+    def stitch(o):  # back to [B, S, …]
+        if lanes == 1:
+            return jnp.moveaxis(o, 0, 1).reshape(o.shape[1], total, *o.shape[3:])[:, :s]
+        o = jnp.moveaxis(o, 0, 2)
+        return sequence.split(o.reshape(o.shape[0], total, *o.shape[4:])[:, :s])
+
+    ids = jnp.arange(nb, dtype=jnp.int32)
+    if lanes > 1:
+        ids = ids[:, None] + nb * jnp.arange(lanes, dtype=jnp.int32)[None, :]
+    xs = (ids, *(cut(a, v) for a, v in zip(arrays, pads, strict=True)))
     _, out = jax.lax.scan(lambda carry, x: (carry, body(*x)), None, xs)
-    return jax.tree.map(lambda o: jnp.moveaxis(o, 0, 1).reshape(o.shape[1], nb * block, *o.shape[3:])[:, :s], out)
+    return jax.tree.map(stitch, out)
 
 
 def attend_step(q_BSHK, keys_w, mask_w, sel_BSkK, sel_ok_BSk, sink_H, scale: float, shared=None):

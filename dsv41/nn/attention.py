@@ -36,8 +36,8 @@ from dsv41 import kv_store, quant
 from dsv41.kernels import dispatch
 from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, packed, ring_positions
 from dsv41.nn import indexer as ix
-from dsv41.nn.attend import (NEG_INF, Handoff, attend_step, band_source, over_query_blocks, window_from,
-                             window_keys, window_mask)
+from dsv41.nn.attend import (NEG_INF, Handoff, attend_step, band_source, blocks_length, over_query_blocks,
+                             window_from, window_keys, window_mask)
 from dsv41.nn.compressor import Compressor
 from dsv41.nn.linear import Dense, param
 from dsv41.nn.norm import RMSNorm, rms_normalize
@@ -116,7 +116,8 @@ class Attention(nnx.Module):
         out = apply_rope(out_BSHK, positions_BS, np.asarray(self.inv_freq, np.float32), inverse=True)
         grouped = out.reshape(b, s, self.groups, -1)
         y = jnp.einsum("bsgi,gio->bsgo", grouped.astype(self.policy.compute_dtype),
-                       self.wo_a[...].astype(self.policy.compute_dtype), precision=self.policy.precision)
+                       self.policy.at_use(self.wo_a[...], ("o_groups", "o_in", "o_lora")).astype(self.policy.compute_dtype),
+                       precision=self.policy.precision)
         return self.wo_b(y.reshape(b, s, -1))
 
     def __call__(self, x_BSD, positions_BS, published: dict, forced: dict | None = None, window_start=None):
@@ -214,8 +215,11 @@ class Attention(nnx.Module):
             entries = seen[rec.kv_source].entries.astype(kv_BSK.dtype)
             picks = seen[rec.index_source].picks if rec.selects else None
         window, sink, scale, ratio = self.window, self.attn_sink[...], self.head_dim ** -0.5, rec.ratio
-        padded = -(-x_BSD.shape[1] // self.query_block) * self.query_block
+        seq = self.policy.lowering.sequence  # sequence parallel: every lane reads the whole keys
+        padded = blocks_length(x_BSD.shape[1], self.query_block, seq)
         keys, key_pos, key_ok = band_source(kv_BSK, positions_BS, window, padded, window_start)
+        if seq is not None:
+            keys, key_pos, key_ok, entries = (seq.whole(a) for a in (keys, key_pos, key_ok, entries))
 
         def attend(n, q_b, pos_b, picks_b):
             span = q_b.shape[1] + window
@@ -228,7 +232,7 @@ class Attention(nnx.Module):
             shared = None if entries is None else (entries, ix.visible_entries(pos_b, ratio, entries.shape[1]))
             return attend_step(q_b, keys_b, mask, None, None, sink, scale, shared)
 
-        out = over_query_blocks(attend, self.query_block, q_BSHK, positions_BS, picks, pads=(0, -1, -1))
+        out = over_query_blocks(attend, self.query_block, q_BSHK, positions_BS, picks, pads=(0, -1, -1), sequence=seq)
         return self.output(out, positions_BS), mine
 
     def _publish_blocks(self, x_BSD, qr_BSQ, positions_BS, published: dict, forced: dict | None = None
@@ -265,6 +269,9 @@ class Attention(nnx.Module):
         # top-k (`ix.filled_top_k`, as the cached step does): no [Q, T] scores, and the later half of the
         # entries unscored for the earlier queries (causality). The keys padded to whole tiles.
         tile = self.score_tile
+        seq = self.policy.lowering.sequence  # sequence parallel: every lane reads the whole keys
+        if seq is not None:
+            keys_BTd = seq.whole(keys_BTd)
         padded = jnp.pad(keys_BTd, [(0, 0), (0, -(-num // tile) * tile - num), (0, 0)])
 
         def select(n, q_b, w_b, pos_b, pool_b):
@@ -294,7 +301,7 @@ class Attention(nnx.Module):
             return picks, pool_ids
 
         picks, pool = over_query_blocks(select, self.query_block, qI_BSJd, w_BSJ, positions_BS, pool_ids_BSM,
-                                        pads=(0, 0, -1, -1), remat=False)
+                                        pads=(0, 0, -1, -1), remat=False, sequence=seq)
         # Named, so that a rematerialised layer may keep them instead of selecting again (`train`'s remat).
         name = checkpoint_name
         return name(picks, "picks"), (None if pool is None else name(pool, "pool_ids"))

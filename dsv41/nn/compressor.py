@@ -37,8 +37,8 @@ class Compressor(nnx.Module):
     def _project(self, x_BSD, positions_BS):
         """[B, S, 2·width] fp32: wkv·x | wgate·x (+ the slot's bias), what the pooling reads of a token."""
         x = x_BSD.astype(jnp.float32)
-        kv = jnp.dot(x, self.wkv.w[...].astype(jnp.float32), precision=HI)
-        gate = jnp.dot(x, self.wgate.w[...].astype(jnp.float32), precision=HI)
+        kv = jnp.dot(x, self.wkv.weight().astype(jnp.float32), precision=HI)
+        gate = jnp.dot(x, self.wgate.weight().astype(jnp.float32), precision=HI)
         if self.position_bias is not None:
             gate = gate + self.position_bias[...].astype(jnp.float32)[jnp.mod(positions_BS, self.ratio)]
         return jnp.concatenate([kv, gate], axis=-1)

@@ -24,7 +24,12 @@ class Dense(nnx.Module):
 
     def __init__(self, din: int, dout: int, axes: tuple[str, str], *, policy: Policy, rngs: nnx.Rngs):
         self.policy = policy
+        self.axes = tuple(axes)
         self.w = param(rngs, (din, dout), axes, policy.param_dtype, policy.init_std)
 
+    def weight(self):
+        """w as the matmul reads it (`Policy.at_use`: gathered where the parameters are FSDP-sharded)."""
+        return self.policy.at_use(self.w[...], self.axes)
+
     def __call__(self, x):
-        return self.policy.dot(x, self.w[...])
+        return self.policy.dot(x, self.weight())

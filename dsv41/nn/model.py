@@ -186,6 +186,8 @@ class Transformer(nnx.Module):
         pools = {r.candidate_source for r in plan if r.candidate_source is not None}
         self.streams = a.mhc.streams
         self.query_block = int(cfg.runtime.query_block)  # the whole-sequence forward's blocks (`__call__`)
+        self.sequence = policy.lowering.sequence  # sequence parallel: each row's tokens split over a mesh axis
+        self.policy = policy
         self.plan = plan  # per layer its own record (a stack's modules hold its first group's)
         self.num_layers = len(plan)
         self.engram_layers = engram_layers(cfg)
@@ -213,7 +215,7 @@ class Transformer(nnx.Module):
 
     def embed_tokens(self, tokens_BS):
         """The residual streams [B, S, N, D] of the tokens and the initial `pre` [B, S, N] (stream 0)."""
-        x = jnp.take(self.embed[...], tokens_BS, axis=0)
+        x = jnp.take(self.policy.at_use(self.embed[...], ("vocab", "embed")), tokens_BS, axis=0)
         x_BSND = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.streams, x.shape[-1]))
         return x_BSND, jax.nn.one_hot(jnp.zeros(tokens_BS.shape, jnp.int32), self.streams, dtype=jnp.float32)
 
@@ -251,12 +253,13 @@ class Transformer(nnx.Module):
         see no window key before it (the CED split in training, DESIGN §3.5: a row's decoder runs from the
         replayed span of its prompt on)."""
         forced = None if forced is None else selections.stacked(forced, self.num_layers)
-        x_BSND, pre = self.embed_tokens(tokens_BS)
+        split = (lambda x: x) if self.sequence is None else self.sequence.split
+        x_BSND, pre = (split(a) for a in self.embed_tokens(tokens_BS))
         published: dict = {}
         records: dict = {}
 
         def layer(block, at, carry, published):
-            x_BSND, pre = carry
+            x_BSND, pre = (split(a) for a in carry)
             x_BSND = self.engram_step(at, x_BSND, engram_ids_BSLC)
             given = {kind: selections.of_layer(forced, kind, at.layer, at.layers) for kind in selections.KINDS}
             start = decoder_window_start if block.attn.record.stage == "decoder" else None
@@ -270,5 +273,5 @@ class Transformer(nnx.Module):
             (x_BSND, pre), published, rec = st.run(layer, (x_BSND, pre), published, record=record, remat=remat)
             records.update(rec or {})
         h = self.norm(self.hc_head(x_BSND) if self.hc_head is not None else mhc.collapse(x_BSND, pre))
-        logits = self.head(h).astype(jnp.float32)
+        logits = split(self.head(h).astype(jnp.float32))
         return (logits, tuple(records[i] for i in range(self.num_layers))) if record else logits

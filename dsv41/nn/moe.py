@@ -93,14 +93,15 @@ class MoE(nnx.Module):
                                   None if experts is None else experts.reshape(x.shape[0], -1))
         self.sow(nnx.Intermediate, "experts", idx.reshape(*shape[:-1], -1))
         form = expert_form(self.policy, shape[1], group_tokens(self.policy.lowering.layout, x.shape[0]))
-        y = self.routed(x, weights, idx, form, token_block if 0 < token_block < shape[1] else 0)
+        y = self.routed(x, weights, idx, form, token_block if 0 < token_block < shape[1] else 0, rows=shape[:2])
         if self.shared is not None:
             y = y + self.shared(x).astype(jnp.float32)
         return y.astype(x_BSD.dtype).reshape(shape)
 
-    def routed(self, x_ND, weights_Nk, idx_Nk, form=None, token_block: int = 0):
+    def routed(self, x_ND, weights_Nk, idx_Nk, form=None, token_block: int = 0, rows=None):
         """Σ_k weight_k · expert_{idx_k}(x) [N, D] fp32: on one device, or expert-parallel when built with
-        a layout (`Policy.lowering.layout`) on a mesh of more than one device (form: `experts`')."""
+        a layout (`Policy.lowering.layout`) on a mesh of more than one device (form: `experts`'). rows: the
+        (B, S) the N tokens flatten (a sequence-parallel layout splits both)."""
         layout = self.policy.lowering.layout
         w = (self.w1[...], self.w3[...], self.w2[...])
         if layout is None or layout.mesh.size == 1:
@@ -112,7 +113,8 @@ class MoE(nnx.Module):
                 return over_query_blocks(block, token_block, x_ND[None], weights_Nk[None], idx_Nk[None],
                                          pads=(0, 0, self.num_experts))[0]
             return experts(x_ND, weights_Nk, idx_Nk, *w, limit=self.limit, policy=self.policy, form=form)
-        return experts_parallel(layout, x_ND, weights_Nk, idx_Nk, *w, limit=self.limit, policy=self.policy, form=form)
+        return experts_parallel(layout, x_ND, weights_Nk, idx_Nk, *w, limit=self.limit, policy=self.policy, form=form,
+                                rows=rows)
 
 
 # A decode step's experts run dense while one expert group holds at most this many tokens: every held
@@ -146,7 +148,7 @@ def group_tokens(layout, tokens: int) -> int:
     if layout is None:
         return tokens
     group = layout.expert_axes + layout.tensor_axes
-    apart = math.prod(layout.mesh.shape[a] for a in layout.token_axes if a not in group)
+    apart = math.prod(layout.mesh.shape[a] for a in layout.token_axes + layout.seq_axes if a not in group)
     return -(-tokens // apart)
 
 
@@ -210,15 +212,18 @@ def _experts_per_pick(x_ND, weights_Nk, flat, w1_GDI, w3_GDI, w2_GID, *, limit: 
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
     """Where the routed computation's operands live on a mesh: token rows split over `token_axes` (major
-    first), the experts dimension of w1/w3/w2 over `expert_axes`, their intermediate width over `tensor_axes`."""
+    first), the experts dimension of w1/w3/w2 over `expert_axes`, their intermediate width over `tensor_axes`;
+    seq_axes (sequence parallel): each row's tokens split over them too, the tokens taken as [B, S] so that
+    each device keeps the block of rows and tokens it holds."""
     mesh: Mesh
     token_axes: tuple[str, ...]
     expert_axes: tuple[str, ...]
     tensor_axes: tuple[str, ...]
+    seq_axes: tuple[str, ...] = ()
 
     def __post_init__(self):
         names = self.mesh.axis_names
-        for field in ("token_axes", "expert_axes", "tensor_axes"):
+        for field in ("token_axes", "expert_axes", "tensor_axes", "seq_axes"):
             for a in getattr(self, field):
                 if a not in names:
                     raise ConfigError(f"expert layout {field}", a, f"expected a mesh axis among {names}")
@@ -229,7 +234,7 @@ class ExpertLayout:
 
 
 def experts_parallel(layout: ExpertLayout, x_ND, weights_Nk, idx_Nk, w1_EDI, w3_EDI, w2_EID, *, limit: float,
-                     policy: Policy, form=None):
+                     policy: Policy, form=None, rows=None):
     """`experts` in a shard_map over layout.mesh (all-gather / reduce-scatter, exact; form: `experts`').
 
     A device holds N/T token rows (T = product of the token axes) and E/X experts (X = product of the
@@ -239,8 +244,9 @@ def experts_parallel(layout: ExpertLayout, x_ND, weights_Nk, idx_Nk, w1_EDI, w3_
     reduce-scatter over the token axes of the group, psum over the group's other axes. Rows are padded
     with zero-weight picks of no expert when N is not a multiple of T. Static shapes: a device runs
     ragged_dot over all of its group's picks (those of other devices' experts get no group), since
-    every pick may name its experts."""
-    mesh, tokens = layout.mesh, layout.token_axes
+    every pick may name its experts. With `layout.seq_axes` the tokens come as rows (B, S) split over the
+    token and the sequence axes (both must divide evenly), flattened per device."""
+    mesh, tokens = layout.mesh, layout.token_axes + layout.seq_axes
     group = layout.expert_axes + layout.tensor_axes
     gather = tuple(a for a in tokens if a in group)
     reduce = tuple(a for a in group if a not in tokens)
@@ -251,13 +257,15 @@ def experts_parallel(layout: ExpertLayout, x_ND, weights_Nk, idx_Nk, w1_EDI, w3_
             raise ConfigError(f"expert layout {field}", split,
                               f"expected mesh axes whose sizes divide the {size} {what}")
     n = x_ND.shape[0]
-    pad = -n % math.prod(mesh.shape[a] for a in tokens)
+    pad = 0 if layout.seq_axes else -n % math.prod(mesh.shape[a] for a in tokens)
     if pad:
         x_ND = jnp.pad(x_ND, ((0, pad), (0, 0)))
         weights_Nk = jnp.pad(weights_Nk, ((0, pad), (0, 0)))
         idx_Nk = jnp.pad(idx_Nk, ((0, pad), (0, 0)), constant_values=e)
 
     def local(x, weights, idx, w1, w3, w2):
+        shape = x.shape
+        x, weights, idx = (a.reshape(-1, a.shape[-1]) for a in (x, weights, idx))  # [B, S, ·] → [N, ·] here
         if gather:
             x, weights, idx = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, weights, idx))
         held = w1.shape[0]
@@ -267,15 +275,24 @@ def experts_parallel(layout: ExpertLayout, x_ND, weights_Nk, idx_Nk, w1_EDI, w3_
         y = experts(x, weights, mine, w1, w3, w2, limit=limit, policy=policy, form=form)
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
-        return jax.lax.psum(y, reduce) if reduce else y
+        y = jax.lax.psum(y, reduce) if reduce else y
+        return y.reshape(*shape[:-1], y.shape[-1])
 
     on = lambda names: None if not names else names[0] if len(names) == 1 else names   # a PartitionSpec entry
-    rows = P(on(tokens), None)
+    operands = (x_ND, weights_Nk, idx_Nk)
+    if layout.seq_axes:
+        for axes, size, what in ((layout.token_axes, rows[0], "rows"), (layout.seq_axes, rows[1], "tokens")):
+            if size % math.prod(mesh.shape[a] for a in axes):
+                raise ConfigError(f"expert layout ({what})", size, f"expected a multiple of mesh axes {axes}")
+        operands = tuple(a.reshape(*rows, a.shape[-1]) for a in operands)
+        spec = P(on(layout.token_axes), on(layout.seq_axes), None)
+    else:
+        spec = P(on(tokens), None)
     up = P(on(layout.expert_axes), None, on(layout.tensor_axes))
     down = P(on(layout.expert_axes), on(layout.tensor_axes), None)
-    y = jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, up, up, down), out_specs=rows)(
-        x_ND, weights_Nk, idx_Nk, w1_EDI, w3_EDI, w2_EID)
-    return y[:n]
+    y = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, up, up, down), out_specs=spec)(
+        *operands, w1_EDI, w3_EDI, w2_EID)
+    return y.reshape(-1, y.shape[-1])[:n]
 
 
 def swiglu(gate, up, limit: float):

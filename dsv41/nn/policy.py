@@ -27,9 +27,14 @@ class Lowering:
     analysis, which counts a ragged_dot as dense and a loop body once, counts what is computed (FLOP
     reports); the results are the same. unroll_layers: the layer stacks and the Sinkhorn iterations as
     unrolled Python loops instead of `lax.scan` / `fori_loop` (the same arithmetic, traced once per layer:
-    for the same cost analysis, never for speed).
+    for the same cost analysis, never for speed). sequence: an `attend.SequenceLayout`, the whole-sequence
+    forward sequence (context) parallel on a mesh (None: each row's tokens on one device). weights: an object
+    whose `at_use(w, logical axes)` gives a weight as its matmul reads it (`dsv41.sharding.WeightUse`: FSDP
+    weights gathered per layer, each where it is used; None: as stored).
     """
     layout: object = None
+    sequence: object = None
+    weights: object = None
     experts_per_pick: bool = False
     unroll_index_heads: bool = False
     unroll_layers: bool = False
@@ -49,6 +54,10 @@ class Policy:
     def precision(self):
         # fp32 compute means fp32 matmuls on every backend (TPUs otherwise pass bf16 by default).
         return jax.lax.Precision.HIGHEST if self.compute_dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+    def at_use(self, w, axes):
+        """The weight w (logical axes `axes`) as a matmul reads it (`Lowering.weights`)."""
+        return w if self.lowering.weights is None else self.lowering.weights.at_use(w, axes)
 
     def dot(self, x, w):
         """x @ w in the compute dtype (w stored [in, out])."""

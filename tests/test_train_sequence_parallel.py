@@ -1,0 +1,91 @@
+"""Sequence (context) parallel training on 8 simulated CPU devices equals one device.
+
+The passkey config (16 indexer heads, `quant: none`, query blocks of 32, remat="block"), 2 rows of 256 tokens
+from the passkey task: the loss, its parts and the gradients of `train.loss_and_grads` on a data 2 × context 4
+mesh, and the first step of `dsv41 train --mesh context=8` (each row's 256 tokens over 8 devices, 32 each: one
+query block per device), against `train.loss_and_grads` on one device. Tolerance: 1e-5 relative (fp32
+reductions in another order; observed ~3e-6 on the gradients, ~1e-7 on the loss). The checks run in a
+subprocess started with 8 devices (`conftest.run_on_devices`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+TOL = 1e-5
+SEQ, ROWS = 256, 2
+SETS = ["csa2.indexer.query_heads=16", "quant=none", "runtime.query_block=32"]
+
+
+def _checks() -> dict:
+    import contextlib
+    import io
+
+    import jax
+    import numpy as np
+    import optax
+
+    import dsv41
+    from dsv41 import cli, data, train
+    from dsv41 import sharding as sh
+
+    assert jax.device_count() == 8, jax.devices()
+    cfg = dsv41.load_config("passkey", SETS)
+    tc = train.TrainConfig(remat="block")
+    batch = next(data.Synthetic("passkey", ROWS, SEQ, seed=0))  # what `dsv41 train --seed 0` trains on first
+    variables = dsv41.init_params(cfg, jax.random.key(0))       # and its starting weights
+    want, want_g = train.loss_and_grads(cfg, tc, variables, batch)
+    mesh = sh.make_mesh({"data": 2, "context": 4})
+    got, got_g = train.loss_and_grads(cfg, tc, variables, batch, mesh=mesh)
+    a, b = jax.tree.leaves(want_g), jax.tree.leaves(got_g)
+    diff = np.sqrt(sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
+                       for x, y in zip(a, b, strict=True)))
+    out = {"want": {k: float(v) for k, v in want.items()}, "mesh": {k: float(v) for k, v in got.items()},
+           "grad_rel": diff / float(optax.tree.norm(want_g)), "grad_norm": float(optax.tree.norm(want_g)),
+           "specs": {"grad.embed": str(got_g["embed"][...].sharding.spec)}}
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        rc = cli.main(["train", "--config", "passkey", *(x for s in SETS for x in ("--set", s)),
+                       "--set", "train.remat=block", "--steps", "1", "--batch", str(ROWS), "--seq", str(SEQ),
+                       "--eval-batches", "0", "--mesh", "context=8", "--json"])
+    out["cli"] = {"rc": rc, **json.loads(text.getvalue().strip().splitlines()[-1])["final"]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    from conftest import run_on_devices
+    return run_on_devices(__file__, "checks", 8, timeout=900)
+
+
+def _rel(x, y):
+    return abs(x - y) / abs(y)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_loss_and_gradients_equal_one_device(results):
+    want, got = results["want"], results["mesh"]
+    assert want["kl"] > 1e-3, want  # the indexer's KL is part of what is compared
+    for k in ("loss", "ce", "kl"):
+        assert _rel(got[k], want[k]) <= TOL, (k, got, want)
+    assert results["grad_rel"] <= TOL, results
+    # FSDP rules: the gradient is sharded like its parameter (embed over data × context; vocab over tensor, size 1)
+    assert results["specs"]["grad.embed"] == "P(None, ('data', 'context'))", results["specs"]
+
+
+@pytest.mark.slow
+def test_train_cli_on_a_context_mesh_equals_one_device(results):
+    want, cli = results["want"], results["cli"]
+    assert cli["rc"] == 0
+    for k in ("loss", "ce", "kl"):
+        assert _rel(cli[k], want[k]) <= TOL, (k, cli, want)
+    assert _rel(cli["grad_norm"], results["grad_norm"]) <= TOL, (cli, results["grad_norm"])
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    print(json.dumps({"checks": _checks}[sys.argv[1]]()))
