@@ -173,6 +173,17 @@ def _expert_form(cfg, mesh, rules, tokens: int, seq: int) -> dict:
     return {"form": moe.expert_form(policy, seq, group), "group_tokens": group}
 
 
+def try_compile(lowered):
+    """(compiled, None), or (None, XLA's message) for a program that cannot fit the chip: XLA refuses it with
+    RESOURCE_EXHAUSTED, which is a report's answer, not a crash."""
+    try:
+        return lowered.compile(), None
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None, str(e).splitlines()[0][:300]
+
+
 def step_program(cfg, mesh, rules, *, weights: str, batch: int, seq: int, context: int, engram_host: bool):
     """(the jitted step, its abstract arguments) as the report compiles them: `fn.trace(*args).lower()`."""
     args, pshard = abstract_inputs(cfg, mesh, rules, weights=weights, batch=batch, seq=seq, context=context,
@@ -192,14 +203,10 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
     t0 = time.perf_counter()
     lowered = fn.trace(*args).lower()
     t1 = time.perf_counter()
-    try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        # XLA refuses a program that cannot fit the chip: that is the report's answer, not a crash.
+    compiled, error = try_compile(lowered)
+    if compiled is None:
         return {"seq": seq, "lower_s": round(t1 - t0, 2), "compile_s": round(time.perf_counter() - t1, 2),
-                "fits": False, "error": str(e).splitlines()[0][:300],
+                "fits": False, "error": error,
                 "memory_per_chip": {"params_on_device": _leaf_bytes(args[0], host=False),
                                     "cache": _leaf_bytes(args[1], host=False),
                                     "engram_host": _leaf_bytes(args[0], host=True)}}

@@ -38,24 +38,17 @@ def abstract_batch(cfg, mesh, batch: int, seq: int) -> dict:
     return out
 
 
-def compile_one(cfg, tc, mesh, batch: int, seq: int, grads_only: bool = False) -> dict:
+def compile_one(cfg, tc, mesh, batch: int, seq: int) -> dict:
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          train.abstract_state(cfg, tc), train.state_shardings(cfg, tc, mesh))
     t0 = time.perf_counter()
-    if grads_only:  # the loss's gradient alone (`train.loss_and_grads`), no optimiser update
-        fn = train._jitted_grads(train.model_lib.config_key(cfg), tc, mesh, sh.rules_key("train"))
-        lowered = fn.trace(state.params, state.buffers, abstract_batch(cfg, mesh, batch, seq), 1.0, 1.0).lower()
-    else:
-        step = train.make_train_step(cfg, tc, mesh=mesh).jitted
-        lowered = step.trace(state, abstract_batch(cfg, mesh, batch, seq)).lower()
+    step = train.make_train_step(cfg, tc, mesh=mesh).jitted
+    lowered = step.trace(state, abstract_batch(cfg, mesh, batch, seq)).lower()
     t1 = time.perf_counter()
-    try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        return {"seq": seq, "fits": False, "error": str(e).splitlines()[0][:300], "detail": str(e)[:20000],
-                "lower_s": round(t1 - t0, 1), "compile_s": round(time.perf_counter() - t1, 1)}
+    compiled, error = compile_report.try_compile(lowered)
+    if compiled is None:  # XLA's error names the temporaries it asked for
+        return {"seq": seq, "fits": False, "error": error, "lower_s": round(t1 - t0, 1),
+                "compile_s": round(time.perf_counter() - t1, 1)}
     t2 = time.perf_counter()
     mem = compiled.memory_analysis()
     state_bytes = sum(math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
@@ -79,7 +72,6 @@ def main(argv=None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config overrides; train.FIELD=VALUE sets the TrainConfig (default remat=block, "
                         "kl_over=selected: the sparse stage)")
-    p.add_argument("--grads-only", action="store_true", help="compile the loss's gradient alone (no update)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     sets = dict(config_lib.parse_override(s[len("train."):]) for s in args.set if s.startswith("train."))
@@ -89,7 +81,7 @@ def main(argv=None) -> int:
     mesh = sh.make_mesh(sh.parse_mesh(args.mesh), devices=compile_report.topology_devices(args.topology))
     rows = []
     for seq in (int(s) for s in args.seqs.split(",")):
-        r = compile_one(cfg, tc, mesh, args.batch, seq, args.grads_only)
+        r = compile_one(cfg, tc, mesh, args.batch, seq)
         rows.append(r)
         if not args.json:
             if r.get("fits") is False and "error" in r:
