@@ -119,6 +119,8 @@ class LayerStack(nnx.Module):
                     carry, _, rec = one(block, g, j, r, carry, published)
                     return carry, rec
 
+                if remat is not None:  # each layer of a run on its own too: a group's backward holds one layer's
+                    inner = jax.checkpoint(inner, policy=None if remat == "all" else remat, prevent_cse=False)
                 carry, rec = jax.lax.scan(inner, carry, jnp.arange(spec.runs[j], dtype=jnp.int32))
                 recs.append(rec)
             return carry, published, recs if record else None
