@@ -481,7 +481,9 @@ def _jitted_grads(key: str, tc: TrainConfig, mesh=None, rules_items: tuple = ())
     if mesh is None:
         return jax.jit(fn, compiler_options=cpu_compiler_options())
     from jax.sharding import NamedSharding, PartitionSpec
-    params = state_shardings(cfg, tc, mesh, dict(rules_items)).params
+
+    from dsv41 import sharding
+    params = split_variables(sharding.param_shardings(cfg, mesh, dict(rules_items)))[0]
     return jax.jit(fn, out_shardings=(params, NamedSharding(mesh, PartitionSpec())),
                    compiler_options=cpu_compiler_options(mesh))
 

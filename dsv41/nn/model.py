@@ -188,8 +188,7 @@ class Transformer(nnx.Module):
         pools = {r.candidate_source for r in plan if r.candidate_source is not None}
         self.streams = a.mhc.streams
         self.query_block = int(cfg.runtime.query_block)  # the whole-sequence forward's blocks (`__call__`)
-        self.sequence = policy.lowering.sequence  # sequence parallel: each row's tokens split over a mesh axis
-        self.policy = policy
+        self.policy = policy  # its lowering: sequence parallel (each row's tokens over a mesh axis), weights at use
         self.plan = plan  # per layer its own record (a stack's modules hold its first group's)
         self.num_layers = len(plan)
         self.engram_layers = engram_layers(cfg)
@@ -255,7 +254,8 @@ class Transformer(nnx.Module):
         see no window key before it (the CED split in training, DESIGN §3.5: a row's decoder runs from the
         replayed span of its prompt on)."""
         forced = None if forced is None else selections.stacked(forced, self.num_layers)
-        split = (lambda x: x) if self.sequence is None else self.sequence.split
+        sequence = self.policy.lowering.sequence
+        split = (lambda x: x) if sequence is None else sequence.split
         x_BSND, pre = (split(a) for a in self.embed_tokens(tokens_BS))
         published: dict = {}
         records: dict = {}
