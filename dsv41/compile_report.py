@@ -69,9 +69,11 @@ def abstract_inputs(cfg, mesh, rules, *, weights: str, batch: int, seq: int, con
         engram = ".table" in name.replace("/", ".") and "engram" in name
         if weights == "fp8" and dtype == jnp.bfloat16 and len(x.shape) >= 2 and name != "embed":
             dtype = jnp.float8_e4m3fn
+        shape = x.shape
         if engram and engram_host:
-            sharding = NamedSharding(mesh, sharding.spec, memory_kind="pinned_host")
-        return v.replace(jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)), s.replace(sharding)
+            rows, sharding = sh.engram_table_sharding(mesh, shape[0])
+            shape = (rows, *shape[1:])
+        return v.replace(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)), s.replace(sharding)
 
     pairs = jax.tree_util.tree_map_with_path(lambda p, v, s: place(p, v, s), abstract, shardings,
                                              is_leaf=lambda x: isinstance(x, nnx.Variable))

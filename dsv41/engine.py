@@ -120,15 +120,20 @@ class Engine:
         by the `rules` preset of `dsv41.sharding` (`serve`: rows over every mesh axis, experts over
         `expert`) and every step is the sharded step over all `slots` rows (a prefill chunk brings tokens
         for its `prefill_rows` rows, the others none); slots must be a multiple of the mesh's devices.
+      engram_host: with a mesh, keep the Engram tables in host memory, their rows split over the chips'
+        hosts (`dsv41.sharding.shard_params`); each step gathers the rows its tokens hash to there.
     """
 
     def __init__(self, params, cfg, tokenizer, *, slots: int = 8, max_model_len: int | None = None,
                  chunks=DEFAULT_CHUNKS, prefill_rows: int = 1, prefix_cache=None, observer=None, mesh=None,
-                 rules="serve"):
+                 rules="serve", engram_host: bool = False):
         if cfg.runtime.prefill_schedule != "full":
             raise ConfigError("runtime.prefill_schedule", cfg.runtime.prefill_schedule,
                               "expected 'full' for serving: the engine prefills rows in interleaved chunks, and CED's "
                               "decoder replay needs a whole prompt's final chunk")
+        if engram_host and mesh is None:
+            raise ConfigError("engram_host", engram_host, "expected a mesh: host-memory Engram tables are split over "
+                              "its chips' hosts")
         _positive("slots", slots)
         _positive("prefill_rows", prefill_rows)
         if prefill_rows > slots:
@@ -161,7 +166,7 @@ class Engine:
             if slots % mesh.devices.size:
                 raise ConfigError("slots", slots, f"expected a multiple of the mesh's {mesh.devices.size} devices "
                                   "(the cache's rows are split over them)")
-            self.params = params = sharding.shard_params(params, cfg, mesh, rules)
+            self.params = params = sharding.shard_params(params, cfg, mesh, rules, engram_host=engram_host)
             self.cache = sharding.init_cache(cfg, mesh, rules, batch=slots, max_len=self.capacity)
         self.empty_row = init_cache(cfg, 1, self.capacity)
         self.lengths = np.zeros(slots, np.int64)                     # host mirror of the rows' lengths

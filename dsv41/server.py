@@ -425,6 +425,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--mesh", default=None, metavar="AXIS=N,...",
                    help="serve on a mesh of the local devices, e.g. data=8 or data=2,expert=4 (rules `serve`: rows over "
                         "every axis, experts over `expert`); --slots must be a multiple of the devices")
+    p.add_argument("--engram-host", action="store_true",
+                   help="with --mesh: keep the Engram tables in host memory, their rows split over the chips' hosts "
+                        "(each step gathers the rows its tokens hash to there)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
     return p
@@ -497,7 +500,7 @@ def build(args):
         mesh = sharding.make_mesh(sharding.parse_mesh(args.mesh))
     engine = Engine(params, cfg, tokenizer, slots=args.slots, max_model_len=args.max_model_len,
                     chunks=_parse_chunks(args.prefill_chunks), prefill_rows=args.prefill_rows,
-                    prefix_cache=prefix_cache, mesh=mesh)
+                    prefix_cache=prefix_cache, mesh=mesh, engram_host=args.engram_host)
     if cfg.architecture.family == schema.V41 and cfg.quant == "qat":
         per_token = accounting.kv_bytes_per_token(cfg)["total"]
         fixed = accounting.fixed_bytes_per_sequence(cfg)["total"]

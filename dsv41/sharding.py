@@ -42,6 +42,7 @@ from dsv41.nn import moe as moe_lib
 from dsv41.nn import policy as policy_lib
 from dsv41.nn.attend import SequenceLayout
 from dsv41.nn.policy import Lowering
+from dsv41.plan import engram_layers
 
 MESH_AXES = ("data", "expert", "tensor", "context")
 
@@ -174,12 +175,15 @@ def _path(path) -> str:
     return "params/" + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def param_shardings(cfg, mesh: Mesh, rules="serve", abstract=None) -> nnx.State:
-    """NamedSharding per parameter (an nnx.State shaped like `init_params(cfg, ...)`), from its logical axes."""
+def param_shardings(cfg, mesh: Mesh, rules="serve", abstract=None, *, engram_host: bool = False) -> nnx.State:
+    """NamedSharding per parameter (an nnx.State shaped like `init_params(cfg, ...)`), from its logical axes;
+    engram_host: the Engram tables in host memory, their rows split over the mesh (`engram_table_sharding`)."""
     abstract = model_lib.abstract_params(cfg) if abstract is None else abstract
 
     def one(path, v):
         shape = v.get_value().shape
+        if engram_host and _is_engram_table(path):
+            return v.replace(engram_table_sharding(mesh, shape[0])[1])
         axes = v.get_metadata().get("out_sharding") or (None,) * len(shape)
         return v.replace(NamedSharding(mesh, logical_spec(axes, shape, mesh, rules, what=_path(path))))
 
@@ -290,9 +294,34 @@ def to_host(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def shard_params(params, cfg, mesh: Mesh, rules="serve"):
-    """Places existing parameters (e.g. loaded from a checkpoint) as the rules say."""
-    return jax.device_put(params, param_shardings(cfg, mesh, rules))
+def shard_params(params, cfg, mesh: Mesh, rules="serve", *, engram_host: bool = False):
+    """Places existing parameters (e.g. loaded from a checkpoint) as the rules say. engram_host: the Engram
+    tables go to host memory instead, each chip's host holding its share of the rows (`engram_table_sharding`;
+    the full-size tables, 196B parameters, fit no HBM); `prefill`/`decode` then gather the rows there."""
+    if not engram_host:
+        return jax.device_put(params, param_shardings(cfg, mesh, rules))
+
+    def pad(path, v):
+        if not _is_engram_table(path):
+            return v
+        x = np.asarray(v.get_value())
+        rows = engram_table_sharding(mesh, x.shape[0])[0]
+        return v.replace(np.pad(x, ((0, rows - x.shape[0]), (0, 0))))
+
+    padded = jax.tree_util.tree_map_with_path(pad, params, is_leaf=_is_var)
+    return jax.device_put(padded, param_shardings(cfg, mesh, rules, engram_host=True))
+
+
+def engram_on_host(params) -> bool:
+    """Whether the parameters keep their Engram tables in host memory (`shard_params(..., engram_host=True)`)."""
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_var)
+    return any(_is_engram_table(path) and getattr(v.get_value().sharding, "memory_kind", None) == "pinned_host"
+               for path, v in leaves)
+
+
+def _is_engram_table(path) -> bool:
+    keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+    return len(keys) == 3 and keys[0] == "engram" and keys[2] == "table"
 
 
 def shard_cache(cache: Cache, cfg, mesh: Mesh, rules="serve") -> Cache:
@@ -330,7 +359,10 @@ def _jitted(kind: str, key: str, mesh: Mesh, rules_items: tuple, shapes: tuple):
             return next_token_loss(body(p, t, pos, i, False), t)
 
         return jax.jit(jax.value_and_grad(loss), in_shardings=(ps, tok, tok, ids), out_shardings=(rep, ps))
-    return step_function(cfg, mesh, rules, tokens_shape=tokens_shape, ids_shape=ids_shape, max_len=shapes[2])
+    host = kind == "step_engram_host"
+    return step_function(cfg, mesh, rules, tokens_shape=tokens_shape, ids_shape=ids_shape, max_len=shapes[2],
+                         params_shardings=param_shardings(cfg, mesh, rules, engram_host=True) if host else None,
+                         engram_host=host)
 
 
 def step_function(cfg, mesh: Mesh, rules="serve", *, tokens_shape, ids_shape=None, max_len: int,
@@ -350,44 +382,85 @@ def step_function(cfg, mesh: Mesh, rules="serve", *, tokens_shape, ids_shape=Non
     logits = NamedSharding(mesh, logical_spec(("batch", "vocab"), (b, cfg.architecture.vocab_size), mesh, rules,
                                               what="logits"))
     step = functools.partial(steps_lib.step_body, key, lowering_for(cfg, mesh, rules, flop_counting=flop_counting))
+    tables = len(engram_layers(cfg)) if engram_host else 0
+    table_specs = [ps["engram"][k]["table"].get_value().spec for k in range(tables)]
 
     def body(params, cache, tokens_BS, counts_B, ids_BSLC):
         if engram_host and ids_BSLC is not None:
-            params, ids_BSLC = gather_engram_rows(cfg, params, ids_BSLC)
+            params, ids_BSLC = gather_engram_rows(cfg, params, ids_BSLC, table_specs, mesh)
         return step(params, cache, tokens_BS, counts_B, ids_BSLC)
 
     return jax.jit(body, in_shardings=(ps, cs, tok, rows, ids), out_shardings=(logits, cs), donate_argnums=1)
 
 
-def gather_engram_rows(cfg, params, ids_BSLC):
+def gather_engram_rows(cfg, params, ids_BSLC, table_specs=None, mesh: Mesh | None = None):
     """Engram lookups from tables kept in host memory (DESIGN §3.7: ~196B parameters at full size).
 
     Inside a jitted step: the rows the new tokens hash to are gathered on the host and only they move to
     the device. The Engram layer then reads a table of exactly those rows with ids 0..B·S·C-1 in order,
     which is the same lookup (`take(table, ids)`) without the whole table in device memory.
+
+    table_specs[k]: the k-th table's PartitionSpec on `mesh`. A table whose rows are split over mesh axes
+    (`engram_table_sharding`: each chip's host holds 1/n of it, so a host holds its chips' shares, not a copy
+    per chip) is read inside a `shard_map`: every chip gathers, from its own share, the rows of every
+    chip's ids that fall in it (the ids are all-gathered: B·S·C int32), and a `psum` over those axes leaves each
+    chip every row (each row comes from exactly one share, the others add zeros: exact).
     """
-    from jax.experimental.compute_on import compute_on
     b, s, n, c = ids_BSLC.shape
     tables = {}
     for k in range(n):  # the k-th Engram layer's module: `engram.{k}` (outside the stacks)
-        ids = jax.device_put(ids_BSLC[:, :, k].reshape(-1), jax.memory.Space.Host)
-        with compute_on("device_host"):
-            # in bounds by construction (hash ids < rows): no bound check, whose constants would live on the device
-            table = params["engram"][k]["table"][...]
-            rows = jax.lax.gather(table, ids[:, None], jax.lax.GatherDimensionNumbers(
-                offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,)), (1, table.shape[1]),
-                mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
-        tables[k] = jax.device_put(rows, jax.memory.Space.Device)
+        table = params["engram"][k]["table"][...]
+        ids = ids_BSLC[:, :, k].reshape(-1)
+        spec = P() if table_specs is None else table_specs[k]
+        axes = spec[0] if len(spec) else None
+        if not axes:
+            tables[k] = _host_rows(table, ids)
+            continue
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+
+        def share(table_R, ids_M, axes=axes):
+            held = table_R.shape[0]
+            local = ids_M - jax.lax.axis_index(axes) * held
+            mine = (local >= 0) & (local < held)
+            rows = _host_rows(table_R, jnp.where(mine, local, 0))
+            # FP8 rows summed as bf16, which holds every FP8 value; the sum adds one row and zeros.
+            wide = jnp.bfloat16 if jnp.dtype(rows.dtype).itemsize == 1 else rows.dtype
+            rows = jnp.where(mine[:, None], rows.astype(wide), jnp.zeros((), wide))
+            return jax.lax.psum(rows, axes)
+
+        tables[k] = jax.shard_map(share, mesh=mesh, in_specs=(P(axes, None), P()), out_specs=P(),
+                                  check_vma=False)(table, ids)
 
     def swap(path, v):
-        keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-        if len(keys) == 3 and keys[0] == "engram" and keys[2] == "table" and keys[1] in tables:
-            return v.replace(tables[keys[1]])
-        return v
+        return v.replace(tables[path[1].idx if hasattr(path[1], "idx") else path[1].key]) if _is_engram_table(path) else v
 
     params = jax.tree_util.tree_map_with_path(swap, params, is_leaf=_is_var)
     local = jnp.broadcast_to(jnp.arange(b * s * c, dtype=jnp.int32).reshape(b, s, 1, c), (b, s, n, c))
     return params, local
+
+
+def _host_rows(table_RD, ids_M):
+    """table[ids] for a table in host memory: the ids go to the host, the gather runs there, the rows come
+    back to the device."""
+    from jax.experimental.compute_on import compute_on
+    ids = jax.device_put(ids_M, jax.memory.Space.Host)
+    with compute_on("device_host"):
+        # in bounds by construction (hash ids < rows): no bound check, whose constants would live on the device
+        rows = jax.lax.gather(table_RD, ids[:, None], jax.lax.GatherDimensionNumbers(
+            offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,)), (1, table_RD.shape[1]),
+            mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    return jax.device_put(rows, jax.memory.Space.Device)
+
+
+def engram_table_sharding(mesh: Mesh, rows: int) -> tuple[int, NamedSharding]:
+    """(rows padded, sharding) of an Engram table kept in host memory: its rows split over every mesh axis of
+    more than one chip, padded to a multiple of the chips (tables hold a prime number of rows; hash ids stay
+    below it, so the padding is never read). Each host then holds its chips' shares: table × chips per host /
+    chips, instead of a whole copy per chip."""
+    axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
+    split = math.prod(mesh.shape[a] for a in axes)
+    padded = -(-rows // split) * split
+    return padded, NamedSharding(mesh, P(axes or None, None), memory_kind="pinned_host")
 
 
 def next_token_loss(logits_BSV, tokens_BS) -> jax.Array:
@@ -453,7 +526,8 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, mesh: Mesh, rule
     ids, recent = steps_lib.engram_inputs(cfg, view.recent_tokens, tokens, counts, held, token_map)
     ids = None if ids is None else np.asarray(ids)
     shapes = (tokens.shape, None if ids is None else ids.shape, min(cap, cfg.context_window))
-    step = _jitted("step", model_lib.config_key(cfg), mesh, rules_key(rules), shapes)
+    kind = "step_engram_host" if ids is not None and engram_on_host(params) else "step"
+    step = _jitted(kind, model_lib.config_key(cfg), mesh, rules_key(rules), shapes)
     tok = batch_sharding(mesh, rules, tokens.shape, "tokens")
     logits, cache = step(params, cache, put(tokens, tok), put(counts, batch_sharding(mesh, rules, (b,), "lengths")),
                          None if ids is None else put(ids, batch_sharding(mesh, rules, ids.shape, "engram_ids")))

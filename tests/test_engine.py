@@ -125,3 +125,10 @@ def test_requests_the_engine_cannot_serve_are_refused_by_name(engine):
     assert refused([1], stop_token_ids=(999,)).startswith("stop_token_ids: [999]")
     assert refused([1], seed=2 ** 32).startswith("seed: 4294967296")  # generate's keys take 32-bit seeds
     assert engine.stats()["waiting"] == 0
+
+
+def test_host_memory_engram_tables_need_a_mesh(model):
+    import dsv41
+    cfg, params = model
+    with pytest.raises(dsv41.ConfigError, match="engram_host.*expected a mesh"):
+        engine_lib.Engine(params, cfg, ByteTokenizer(), slots=8, max_model_len=512, engram_host=True)

@@ -197,6 +197,67 @@ def test_kernels_run_per_device_under_a_mesh():
     assert n == 4 and r["pallas_calls"] == n + 3 and r["shard_maps"] == n + n + 3, r
 
 
+def _engram_host_checks() -> dict:
+    """Runs in the 8-device subprocess: a config with an Engram layer, its table in host memory split over a
+    data 2 × expert 4 mesh (`shard_params(..., engram_host=True)`), prefill and two decode steps against one
+    device with the table in device memory (quant none: the same rows reach the layer, so the logits agree
+    to the reduction order)."""
+    import jax
+    import numpy as np
+
+    import dsv41
+    from dsv41 import config as config_lib
+    from dsv41 import sharding as sh
+
+    d = small_config("none").to_dict()
+    d["architecture"]["engram"] = {"layers": [1, 3], "max_ngram": 3, "heads_per_ngram": 2, "row_dim": 16,
+                                   "compressed_vocab_size": 256, "prime_floor": 110, "pad_id": 2}
+    cfg = config_lib.build(d)
+    rng = np.random.default_rng(2)
+    b, s, cap = 8, 6, 32
+    tokens = rng.integers(0, cfg.architecture.vocab_size, (b, s)).astype(np.int32)
+    lengths = np.array([6, 2, 5, 1, 6, 3, 4, 6], np.int32)
+    steps = rng.integers(0, cfg.architecture.vocab_size, (2, b)).astype(np.int32)
+    params = dsv41.init_params(cfg, jax.random.key(0))
+    cache = dsv41.init_cache(cfg, batch=b, max_len=cap)
+    ref = []
+    logits, cache = dsv41.prefill(params, cfg, cache, tokens, lengths)
+    ref.append(np.asarray(logits))
+    for t in steps:
+        logits, cache = dsv41.decode(params, cfg, cache, t)
+        ref.append(np.asarray(logits))
+    mesh = sh.make_mesh({"data": 2, "expert": 4})
+    p = sh.shard_params(params, cfg, mesh, "serve", engram_host=True)
+    c = sh.init_cache(cfg, mesh, "serve", batch=b, max_len=cap)
+    got = []
+    logits, c = sh.prefill(p, cfg, c, tokens, lengths, mesh=mesh, rules="serve")
+    got.append(np.asarray(logits))
+    for t in steps:
+        logits, c = sh.decode(p, cfg, c, t, mesh=mesh, rules="serve")
+        got.append(np.asarray(logits))
+    tables = [(params["engram"][k]["table"][...], p["engram"][k]["table"][...]) for k in range(2)]
+    return {"steps": [float(np.abs(x - y).max()) for x, y in zip(got, ref)],
+            "rows": [[int(a.shape[0]), int(h.shape[0])] for a, h in tables],
+            "shares": [list(h.sharding.shard_shape(h.shape)) for _, h in tables],
+            "padding_zero": all(not np.asarray(h)[a.shape[0]:].any() for a, h in tables),
+            "memory_kind": [h.sharding.memory_kind for _, h in tables],
+            "spec": [str(h.sharding.spec) for _, h in tables],
+            "on_host": sh.engram_on_host(p), "plain_on_host": sh.engram_on_host(params)}
+
+
+@pytest.mark.slow
+def test_engram_tables_in_host_memory_split_over_the_mesh():
+    """Engram tables kept in host memory, each chip's host holding 1/8 of the rows: the sharded prefill and
+    decode gather each row from the share that holds it and equal one device's steps within 1e-5."""
+    r = _run("engram")
+    assert len(r["steps"]) == 3 and max(r["steps"]) < TOL, r
+    for (rows, padded), share in zip(r["rows"], r["shares"]):
+        assert padded == -(-rows // 8) * 8 and share == [padded // 8, 16], r   # prime rows padded to 8 shares
+    assert r["padding_zero"] and r["memory_kind"] == ["pinned_host"] * 2, r
+    assert r["spec"] == ["P(('data', 'expert'), None)"] * 2, r
+    assert r["on_host"] and not r["plain_on_host"], r
+
+
 def _run(mode: str, devices: int = 8, timeout: int = 600) -> dict:
     from conftest import run_on_devices
     return run_on_devices(__file__, mode, devices, FAST_COMPILE, timeout)
@@ -280,4 +341,4 @@ def test_rules_errors_name_the_field():
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    print(json.dumps({"checks": _checks, "kernels": _kernel_checks}[sys.argv[1]]()))
+    print(json.dumps({"checks": _checks, "kernels": _kernel_checks, "engram": _engram_host_checks}[sys.argv[1]]()))
