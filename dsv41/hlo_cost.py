@@ -9,8 +9,9 @@ are entered once, a `conditional` counts its costliest branch. Bytes follow XLA'
 instruction (operands read + result written), with the cases that would otherwise count whole buffers for a
 slice: a fusion parameter read only through `dynamic-slice` / `slice` / `gather` counts what those read,
 and an in-place `dynamic-update-slice` or `scatter` (a fusion's root, or on its own) counts its update twice
-(read and write), not the buffer. Asynchronous copies (`copy-start`/`-done`: the backend's prefetches) and
-the plumbing (parameters, tuples, bitcasts, constants) move nothing here.
+(read and write), not the buffer. Asynchronous copies and slices (`copy-start`/`-done`, `slice-start`/`-done`:
+the backend's prefetches into on-chip memory, whose readers count what they read) and the plumbing
+(parameters, tuples, bitcasts, constants) move nothing here.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _FREE = {"custom-call-done", "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "while", "call", "conditional", "opt-barrier", "add-dependency", "copy-start", "copy-done",
+         "slice-start", "slice-done",
          "all-gather-done", "all-reduce-done", "collective-permute-done", "async-done", "send-done", "recv-done",
          "get-dimension-size", "domain"}
 _SLICING = {"dynamic-slice", "slice", "gather"}

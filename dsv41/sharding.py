@@ -301,15 +301,22 @@ def shard_params(params, cfg, mesh: Mesh, rules="serve", *, engram_host: bool = 
     if not engram_host:
         return jax.device_put(params, param_shardings(cfg, mesh, rules))
 
-    def pad(path, v):
-        if not _is_engram_table(path):
-            return v
-        x = np.asarray(v.get_value())
-        rows = engram_table_sharding(mesh, x.shape[0])[0]
-        return v.replace(np.pad(x, ((0, rows - x.shape[0]), (0, 0))))
+    shardings = param_shardings(cfg, mesh, rules, engram_host=True)
 
-    padded = jax.tree_util.tree_map_with_path(pad, params, is_leaf=_is_var)
-    return jax.device_put(padded, param_shardings(cfg, mesh, rules, engram_host=True))
+    def place(path, v, s):
+        if not _is_engram_table(path):
+            return v.replace(jax.device_put(v.get_value(), s.get_value()))
+        x = v.get_value()
+        rows, sharding = engram_table_sharding(mesh, x.shape[0])
+
+        def share(index):  # each chip's rows, built from its slice of the table (no padded copy of the whole)
+            lo, hi, _ = index[0].indices(rows)
+            part = np.asarray(x[min(lo, x.shape[0]):min(hi, x.shape[0])])
+            return np.concatenate([part, np.zeros((hi - lo - part.shape[0], *x.shape[1:]), part.dtype)])
+
+        return v.replace(jax.make_array_from_callback((rows, *x.shape[1:]), sharding, share))
+
+    return jax.tree_util.tree_map_with_path(place, params, shardings, is_leaf=_is_var)
 
 
 def engram_on_host(params) -> bool:

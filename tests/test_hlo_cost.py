@@ -41,6 +41,25 @@ def test_an_in_place_update_counts_its_row_not_the_buffer():
     assert 2 * 256 * 4 <= program.totals()["bytes"] < 4 * 256 * 4
 
 
+def test_an_asynchronous_slice_into_on_chip_memory_is_counted_where_it_is_read():
+    """A TPU prefetches a weight in 4 MiB `slice-start`s into on-chip memory (S(1)); each slice is read once by
+    its consumer, never the whole 80 MiB operand per slice (as the libtpu v6e decode does: 40 of them)."""
+    hlo = "\n".join([
+        "%mul (p0: s8[4194304]) -> s8[4194304] {",
+        "  %p0 = s8[4194304]{0} parameter(0)",
+        "  ROOT %m = s8[4194304]{0} multiply(%p0, %p0)",
+        "}",
+        "ENTRY %main (w: s8[83886080]) -> s8[4194304] {",
+        "  %w = s8[83886080]{0:T(1024)} parameter(0)",
+        "  %ss = ((s8[83886080]{0:T(1024)}), s8[4194304]{0:T(1024)S(1)}, s32[]{:S(2)}) slice-start(%w), "
+        "slice={[0:4194304]}",
+        "  %sd = s8[4194304]{0:T(1024)S(1)} slice-done(%ss)",
+        "  ROOT %f = s8[4194304]{0} fusion(%sd), kind=kLoop, calls=%mul",
+        "}",
+    ])
+    assert hlo_cost.Program(hlo).totals()["bytes"] == 2 * 4194304   # the slice read, the product written
+
+
 def test_a_conditional_counts_its_costliest_branch_once():
     def f(x, w, k):
         return jax.lax.switch(k, [lambda: x @ w, lambda: (x @ w) @ w, lambda: x], )

@@ -102,7 +102,10 @@ class Attention(nnx.Module):
         b, s, _ = x_BSD.shape
         inv_freq = np.asarray(self.inv_freq, np.float32)
         qr = self.q_norm(self.wq_a(x_BSD))
-        q = self.wq_b(qr).reshape(b, s, self.heads, self.head_dim)
+        # The barrier keeps the heads' [H, K] layout out of the wq_b matmul: with one query row per chip (v6e:4x8
+        # decode at batch 32) libtpu otherwise reduced into that layout from a bf16 copy of the FP8 weight,
+        # relaid per layer (3 × its bytes; docs/decode_bytes.md). The reshape then moves the [S, H·K] output only.
+        q = jax.lax.optimization_barrier(self.wq_b(qr)).reshape(b, s, self.heads, self.head_dim)
         if self.q_head_eps is not None:
             q = rms_normalize(q, self.q_head_eps).astype(q.dtype)
         q = apply_rope(q, positions_BS, inv_freq)
