@@ -33,6 +33,17 @@ def small_config(quant: str = "qat"):
     return config_lib.build(d)
 
 
+def _prefill_then_decode(prefill, decode, cache, tokens, lengths, steps):
+    """([logits of the prefill, then of one decode per row of `steps`] as NumPy, the cache after them)."""
+    import numpy as np
+    logits, cache = prefill(cache, tokens, lengths)
+    out = [np.asarray(logits)]
+    for t in steps:
+        logits, cache = decode(cache, t)
+        out.append(np.asarray(logits))
+    return out, cache
+
+
 def _checks() -> dict:
     """Runs in the 8-device subprocess; returns measured differences and the specs it saw."""
     import time
@@ -65,13 +76,9 @@ def _checks() -> dict:
     params = dsv41.init_params(cfg, jax.random.key(0))
 
     ref_fwd = np.asarray(dsv41.forward(params, cfg, tokens))
-    cache = dsv41.init_cache(cfg, batch=b, max_len=cap)
-    ref_steps = []
-    logits, cache = dsv41.prefill(params, cfg, cache, tokens, lengths)
-    ref_steps.append(np.asarray(logits))
-    for t in steps:
-        logits, cache = dsv41.decode(params, cfg, cache, t)
-        ref_steps.append(np.asarray(logits))
+    ref_steps, cache = _prefill_then_decode(lambda c, t, n: dsv41.prefill(params, cfg, c, t, n),
+                                            lambda c, t: dsv41.decode(params, cfg, c, t),
+                                            dsv41.init_cache(cfg, batch=b, max_len=cap), tokens, lengths, steps)
     ref_cache = jax.tree.map(np.asarray, cache)
 
     # A stack's group is traced once (plan.layer_stacks): one shard_map per traced MoE layer.
@@ -219,22 +226,14 @@ def _engram_host_checks() -> dict:
     lengths = np.array([6, 2, 5, 1, 6, 3, 4, 6], np.int32)
     steps = rng.integers(0, cfg.architecture.vocab_size, (2, b)).astype(np.int32)
     params = dsv41.init_params(cfg, jax.random.key(0))
-    cache = dsv41.init_cache(cfg, batch=b, max_len=cap)
-    ref = []
-    logits, cache = dsv41.prefill(params, cfg, cache, tokens, lengths)
-    ref.append(np.asarray(logits))
-    for t in steps:
-        logits, cache = dsv41.decode(params, cfg, cache, t)
-        ref.append(np.asarray(logits))
+    ref, _ = _prefill_then_decode(lambda c, t, n: dsv41.prefill(params, cfg, c, t, n),
+                                  lambda c, t: dsv41.decode(params, cfg, c, t),
+                                  dsv41.init_cache(cfg, batch=b, max_len=cap), tokens, lengths, steps)
     mesh = sh.make_mesh({"data": 2, "expert": 4})
     p = sh.shard_params(params, cfg, mesh, "serve", engram_host=True)
-    c = sh.init_cache(cfg, mesh, "serve", batch=b, max_len=cap)
-    got = []
-    logits, c = sh.prefill(p, cfg, c, tokens, lengths, mesh=mesh, rules="serve")
-    got.append(np.asarray(logits))
-    for t in steps:
-        logits, c = sh.decode(p, cfg, c, t, mesh=mesh, rules="serve")
-        got.append(np.asarray(logits))
+    got, _ = _prefill_then_decode(lambda c, t, n: sh.prefill(p, cfg, c, t, n, mesh=mesh, rules="serve"),
+                                  lambda c, t: sh.decode(p, cfg, c, t, mesh=mesh, rules="serve"),
+                                  sh.init_cache(cfg, mesh, "serve", batch=b, max_len=cap), tokens, lengths, steps)
     tables = [(params["engram"][k]["table"][...], p["engram"][k]["table"][...]) for k in range(2)]
     return {"steps": [float(np.abs(x - y).max()) for x, y in zip(got, ref)],
             "rows": [[int(a.shape[0]), int(h.shape[0])] for a, h in tables],
