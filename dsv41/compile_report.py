@@ -60,19 +60,17 @@ def abstract_inputs(cfg, mesh, rules, *, weights: str, batch: int, seq: int, con
     shardings. fp8: every bf16 matrix except the embedding stored as E4M3 (the released FP8 weights and
     Engram tables; the 32×32 block scales, 1/1024 of the bytes, are left out)."""
     abstract = model_lib.abstract_params(cfg)
-    shardings = sh.param_shardings(cfg, mesh, rules, abstract)
+    shardings = sh.param_shardings(cfg, mesh, rules, abstract, engram_host=engram_host)
 
     def place(path, v, s):
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         x, sharding = v.get_value(), s.get_value()
         dtype = x.dtype
-        engram = ".table" in name.replace("/", ".") and "engram" in name
         if weights == "fp8" and dtype == jnp.bfloat16 and len(x.shape) >= 2 and name != "embed":
             dtype = jnp.float8_e4m3fn
         shape = x.shape
-        if engram and engram_host:
-            rows, sharding = sh.engram_table_sharding(mesh, shape[0])
-            shape = (rows, *shape[1:])
+        if engram_host and sh.engram_table_index(path) is not None:  # rows padded to the chips' shares
+            shape = (sh.engram_table_sharding(mesh, shape[0])[0], *shape[1:])
         return v.replace(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)), s.replace(sharding)
 
     pairs = jax.tree_util.tree_map_with_path(lambda p, v, s: place(p, v, s), abstract, shardings,

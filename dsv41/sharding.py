@@ -182,7 +182,7 @@ def param_shardings(cfg, mesh: Mesh, rules="serve", abstract=None, *, engram_hos
 
     def one(path, v):
         shape = v.get_value().shape
-        if engram_host and _is_engram_table(path):
+        if engram_host and engram_table_index(path) is not None:
             return v.replace(engram_table_sharding(mesh, shape[0])[1])
         axes = v.get_metadata().get("out_sharding") or (None,) * len(shape)
         return v.replace(NamedSharding(mesh, logical_spec(axes, shape, mesh, rules, what=_path(path))))
@@ -304,10 +304,10 @@ def shard_params(params, cfg, mesh: Mesh, rules="serve", *, engram_host: bool = 
     shardings = param_shardings(cfg, mesh, rules, engram_host=True)
 
     def place(path, v, s):
-        if not _is_engram_table(path):
+        if engram_table_index(path) is None:
             return v.replace(jax.device_put(v.get_value(), s.get_value()))
         x = v.get_value()
-        rows, sharding = engram_table_sharding(mesh, x.shape[0])
+        rows, sharding = engram_table_sharding(mesh, x.shape[0])[0], s.get_value()
 
         def share(index):  # each chip's rows, built from its slice of the table (no padded copy of the whole)
             lo, hi, _ = index[0].indices(rows)
@@ -320,15 +320,18 @@ def shard_params(params, cfg, mesh: Mesh, rules="serve", *, engram_host: bool = 
 
 
 def engram_on_host(params) -> bool:
-    """Whether the parameters keep their Engram tables in host memory (`shard_params(..., engram_host=True)`)."""
-    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_var)
-    return any(_is_engram_table(path) and getattr(v.get_value().sharding, "memory_kind", None) == "pinned_host"
-               for path, v in leaves)
+    """Whether the parameters keep their Engram tables in host memory (`shard_params(..., engram_host=True)`);
+    it looks at the `engram` modules only (every prefill and decode call asks)."""
+    if "engram" not in params:
+        return False
+    return any(getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host"
+               for x in jax.tree.leaves(params["engram"]))
 
 
-def _is_engram_table(path) -> bool:
+def engram_table_index(path) -> int | None:
+    """k for the parameter path of the k-th Engram module's table (`engram.{k}.table`), else None."""
     keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-    return len(keys) == 3 and keys[0] == "engram" and keys[2] == "table"
+    return int(keys[1]) if len(keys) == 3 and keys[0] == "engram" and keys[2] == "table" else None
 
 
 def shard_cache(cache: Cache, cfg, mesh: Mesh, rules="serve") -> Cache:
@@ -366,21 +369,19 @@ def _jitted(kind: str, key: str, mesh: Mesh, rules_items: tuple, shapes: tuple):
             return next_token_loss(body(p, t, pos, i, False), t)
 
         return jax.jit(jax.value_and_grad(loss), in_shardings=(ps, tok, tok, ids), out_shardings=(rep, ps))
-    host = kind == "step_engram_host"
     return step_function(cfg, mesh, rules, tokens_shape=tokens_shape, ids_shape=ids_shape, max_len=shapes[2],
-                         params_shardings=param_shardings(cfg, mesh, rules, engram_host=True) if host else None,
-                         engram_host=host)
+                         engram_host=kind == "step_engram_host")
 
 
 def step_function(cfg, mesh: Mesh, rules="serve", *, tokens_shape, ids_shape=None, max_len: int,
                   params_shardings=None, engram_host: bool = False, flop_counting: bool = False):
     """The jitted sharded `dsv41.steps.step_body` (prefill chunk / decode step):
     (params, cache, tokens [B, S], counts [B], engram ids [B, S, L, C] | None) -> (logits [B, V], cache),
-    the cache donated and returned in its rule shardings. params_shardings overrides the rules' (e.g.
-    Engram tables in host memory: then engram_host=True gathers their rows on the host, see
-    `gather_engram_rows`)."""
+    the cache donated and returned in its rule shardings. engram_host: the Engram tables in host memory, split
+    over the mesh (`param_shardings(..., engram_host=True)`), their rows gathered there (`gather_engram_rows`).
+    params_shardings overrides the parameters' shardings."""
     key = model_lib.config_key(cfg)
-    ps = param_shardings(cfg, mesh, rules) if params_shardings is None else params_shardings
+    ps = param_shardings(cfg, mesh, rules, engram_host=engram_host) if params_shardings is None else params_shardings
     b = tokens_shape[0]
     tok = batch_sharding(mesh, rules, tokens_shape, "tokens")
     ids = None if ids_shape is None else batch_sharding(mesh, rules, ids_shape, "engram_ids")
@@ -439,7 +440,8 @@ def gather_engram_rows(cfg, params, ids_BSLC, table_specs=None, mesh: Mesh | Non
                                   check_vma=False)(table, ids)
 
     def swap(path, v):
-        return v.replace(tables[path[1].idx if hasattr(path[1], "idx") else path[1].key]) if _is_engram_table(path) else v
+        k = engram_table_index(path)
+        return v if k is None else v.replace(tables[k])
 
     params = jax.tree_util.tree_map_with_path(swap, params, is_leaf=_is_var)
     local = jnp.broadcast_to(jnp.arange(b * s * c, dtype=jnp.int32).reshape(b, s, 1, c), (b, s, n, c))
