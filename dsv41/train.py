@@ -52,6 +52,7 @@ from dsv41.plan import FULL, REINDEX, layer_plan, layer_stacks
 REMAT = ("none", "block", "dots")
 SELECTION = ("picks", "pool_ids")  # the names `Attention.select_blocks` gives its results (jax.ad_checkpoint)
 KL_OVER = ("selectable", "selected")
+KL_PARTS = 8  # the dense warm-up KL's causal parts (`_layer_kl_blocks`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,42 +287,58 @@ def _layer_kl_blocks(model, rows: list[dict], i: int, positions_BS, kl_over: str
     hi = jax.lax.Precision.HIGHEST
     gather = jax.vmap(lambda t, ids: t[ids])
 
-    def one(n, q_b, qI_b, w_b, pos_b, chosen_b):
-        span = qb + window
-        keys_b, kpos_b, kok_b = (jax.lax.dynamic_slice_in_dim(a, n * qb, span, axis=1)
-                                 for a in (win_keys, win_pos, win_ok))
-        win_mask = kok_b[:, None, :] & window_mask(pos_b, kpos_b, window)
-        if chosen_b is None:
-            allowed = ix.visible_entries(pos_b, rec.ratio, entries.shape[1])
-            ent = lambda q_h: jnp.einsum("bqk,btk->bqt", q_h, entries, precision=hi)
-            scores = ix.lightning_scores(qI_b, keys, w_b, allowed, group=1)
-        else:
-            if kl_over == "selected":
-                ids, allowed = chosen_b, chosen_b >= 0
+    def blocks_from(first: int, entries, keys):  # fn of the blocks first, first + 1, … over these entries
+        def one(n, q_b, qI_b, w_b, pos_b, chosen_b):
+            n = n + first
+            span = qb + window
+            keys_b, kpos_b, kok_b = (jax.lax.dynamic_slice_in_dim(a, n * qb, span, axis=1)
+                                     for a in (win_keys, win_pos, win_ok))
+            win_mask = kok_b[:, None, :] & window_mask(pos_b, kpos_b, window)
+            if chosen_b is None:
+                allowed = ix.visible_entries(pos_b, rec.ratio, entries.shape[1])
+                ent = lambda q_h: jnp.einsum("bqk,btk->bqt", q_h, entries, precision=hi)
+                scores = ix.lightning_scores(qI_b, keys, w_b, allowed, group=1)
             else:
-                ids, allowed = ix.pool_entries(chosen_b, attn.pool_block_size, (pos_b + 1) // rec.ratio)
-            ids = jnp.maximum(ids, 0)
-            chosen_entries = gather(entries, ids)  # [B, Q, C, K]
-            ent = lambda q_h: jnp.einsum("bqk,bqck->bqc", q_h, chosen_entries, precision=hi)
-            scores = ix.lightning_scores_per_query(qI_b, gather(keys, ids), w_b, allowed, group=1)
+                if kl_over == "selected":
+                    ids, allowed = chosen_b, chosen_b >= 0
+                else:
+                    ids, allowed = ix.pool_entries(chosen_b, attn.pool_block_size, (pos_b + 1) // rec.ratio)
+                ids = jnp.maximum(ids, 0)
+                chosen_entries = gather(entries, ids)  # [B, Q, C, K]
+                ent = lambda q_h: jnp.einsum("bqk,bqck->bqc", q_h, chosen_entries, precision=hi)
+                scores = ix.lightning_scores_per_query(qI_b, gather(keys, ids), w_b, allowed, group=1)
 
-        def head(h, acc):  # one head's softmax over [window | entries | sink], its entries' part added up
-            q_h = sg(jax.lax.dynamic_index_in_dim(q_b, h, axis=2, keepdims=False))  # [B, Q, K]
-            lw = jnp.where(win_mask, jnp.einsum("bqk,btk->bqt", q_h, keys_b, precision=hi) * scale, -jnp.inf)
-            le = jnp.where(allowed, ent(q_h) * scale, -jnp.inf)
-            top = jnp.maximum(jnp.maximum(lw.max(-1), le.max(-1)), sink[h])[..., None]
-            pe = jnp.exp(le - top)
-            den = jnp.exp(sink[h] - top) + jnp.exp(lw - top).sum(-1, keepdims=True) + pe.sum(-1, keepdims=True)
-            return acc + pe / den
+            def head(h, acc):  # one head's softmax over [window | entries | sink], its entries' part added up
+                q_h = sg(jax.lax.dynamic_index_in_dim(q_b, h, axis=2, keepdims=False))  # [B, Q, K]
+                lw = jnp.where(win_mask, jnp.einsum("bqk,btk->bqt", q_h, keys_b, precision=hi) * scale, -jnp.inf)
+                le = jnp.where(allowed, ent(q_h) * scale, -jnp.inf)
+                top = jnp.maximum(jnp.maximum(lw.max(-1), le.max(-1)), sink[h])[..., None]
+                pe = jnp.exp(le - top)
+                den = jnp.exp(sink[h] - top) + jnp.exp(lw - top).sum(-1, keepdims=True) + pe.sum(-1, keepdims=True)
+                return acc + pe / den
 
-        probs = jax.lax.fori_loop(0, attn.heads, head, jnp.zeros(allowed.shape, jnp.float32))  # [B, Q, C]
-        target = sg(probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30))
-        log_q = jax.nn.log_softmax(scores, axis=-1)
-        kl = jnp.sum(jnp.where(allowed, target * (jnp.log(jnp.maximum(target, 1e-30)) - log_q), 0.0), axis=-1)
-        has = allowed.any(-1)
-        return jnp.where(has, kl, 0.0), has
+            probs = jax.lax.fori_loop(0, attn.heads, head, jnp.zeros(allowed.shape, jnp.float32))  # [B, Q, C]
+            target = sg(probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30))
+            log_q = jax.nn.log_softmax(scores, axis=-1)
+            kl = jnp.sum(jnp.where(allowed, target * (jnp.log(jnp.maximum(target, 1e-30)) - log_q), 0.0), axis=-1)
+            has = allowed.any(-1)
+            return jnp.where(has, kl, 0.0), has
 
-    return over_query_blocks(one, qb, q, qI, w, positions_BS, chosen, pads=(0, 0, 0, -1, -1), sequence=seq)
+        return one
+
+    args, pads = (q, qI, w, positions_BS, chosen), (0, 0, 0, -1, -1)
+    if chosen is not None or seq is not None:
+        return over_query_blocks(blocks_from(0, entries, keys), qb, *args, pads=pads, sequence=seq)
+    # Every visible entry (the dense warm-up): the blocks in causal parts, each part's queries scored against
+    # the entries its last query sees only, so the S·T arithmetic is (parts + 1) / (2 · parts) of the whole.
+    nb = -(-s // qb)
+    cuts = [round(nb * j / min(nb, KL_PARTS)) for j in range(min(nb, KL_PARTS) + 1)]
+    out = []
+    for b0, b1 in zip(cuts, cuts[1:]):
+        t = max(1, min(entries.shape[1], b1 * qb // rec.ratio))
+        part = [None if a is None else a[:, b0 * qb:b1 * qb] for a in args]
+        out.append(over_query_blocks(blocks_from(b0, entries[:, :t], keys[:, :t]), qb, *part, pads=pads))
+    return tuple(jnp.concatenate(o, axis=1) for o in zip(*out))
 
 
 def expert_load(model, rows: list[dict]) -> dict[int, jax.Array]:

@@ -109,7 +109,12 @@ def write_config(tmp_path):
     return write
 
 
-def run_on_devices(script: str, mode: str, devices: int = 8, xla_flags: str = "", timeout: int = 600) -> dict:
+# Less XLA:CPU optimisation for the simulated-device subprocesses: their programs compile ~25 % faster, and the
+# sharded runs and the one-device reference they are compared with share the flags.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def run_on_devices(script: str, mode: str, devices: int = 8, xla_flags: str = FAST_COMPILE, timeout: int = 600) -> dict:
     """Runs `python script mode` with `devices` simulated CPU devices (XLA_FLAGS must be set before JAX
     starts, so in a subprocess) and returns the JSON object its last stdout line holds."""
     import subprocess
