@@ -395,13 +395,13 @@ def step_function(cfg, mesh: Mesh, rules="serve", *, tokens_shape, ids_shape=Non
 
     def body(params, cache, tokens_BS, counts_B, ids_BSLC):
         if engram_host and ids_BSLC is not None:
-            params, ids_BSLC = gather_engram_rows(cfg, params, ids_BSLC, table_specs, mesh)
+            params, ids_BSLC = gather_engram_rows(params, ids_BSLC, table_specs, mesh)
         return step(params, cache, tokens_BS, counts_B, ids_BSLC)
 
     return jax.jit(body, in_shardings=(ps, cs, tok, rows, ids), out_shardings=(logits, cs), donate_argnums=1)
 
 
-def gather_engram_rows(cfg, params, ids_BSLC, table_specs=None, mesh: Mesh | None = None):
+def gather_engram_rows(params, ids_BSLC, table_specs=None, mesh: Mesh | None = None):
     """Engram lookups from tables kept in host memory (DESIGN §3.7: ~196B parameters at full size).
 
     Inside a jitted step: the rows the new tokens hash to are gathered on the host and only they move to
