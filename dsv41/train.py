@@ -257,7 +257,8 @@ def _layer_kl_blocks(model, rows: list[dict], i: int, positions_BS, kl_over: str
     the blockwise forward runs (`Attention._blockwise`), in memory linear in S: the main attention's logits
     over the query's window band and its candidate entries — its picks ("selected"), its candidate pool's
     entries (a Reindex layer, "selectable"), or every visible entry (a Full layer, "selectable", the only
-    part whose arithmetic grows as S·T) — and the indexer's scores over the same entries."""
+    part whose arithmetic grows as S·T; its blocks run in up to `KL_PARTS` causal parts, each over the entries
+    its last query sees) — and the indexer's scores over the same entries."""
     sg = jax.lax.stop_gradient
     rec, row = model.plan[i], rows[i]
     block = model.layer(i)
@@ -332,7 +333,8 @@ def _layer_kl_blocks(model, rows: list[dict], i: int, positions_BS, kl_over: str
     # Every visible entry (the dense warm-up): the blocks in causal parts, each part's queries scored against
     # the entries its last query sees only, so the S·T arithmetic is (parts + 1) / (2 · parts) of the whole.
     nb = -(-s // qb)
-    cuts = [round(nb * j / min(nb, KL_PARTS)) for j in range(min(nb, KL_PARTS) + 1)]
+    parts = min(nb, KL_PARTS)
+    cuts = [nb * j // parts for j in range(parts + 1)]
     out = []
     for b0, b1 in zip(cuts, cuts[1:]):
         t = max(1, min(entries.shape[1], b1 * qb // rec.ratio))

@@ -15,7 +15,8 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from test_sharding import FAST_COMPILE, TOL, small_config  # noqa: E402
+from conftest import FAST_COMPILE  # noqa: E402
+from test_sharding import TOL, small_config  # noqa: E402
 
 B, S, CAP = 8, 6, 16
 MESH = {"data": 2, "expert": 4}

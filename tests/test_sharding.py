@@ -18,8 +18,6 @@ import sys
 import pytest
 
 TOL = 1e-5
-# Less XLA optimisation: the programs compile ~25% faster; reference and sharded runs share the flags.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 MESHES = [{"data": 8}, {"data": 2, "expert": 4}, {"data": 2, "tensor": 2, "expert": 2}]
 
 
@@ -259,7 +257,7 @@ def test_engram_tables_in_host_memory_split_over_the_mesh():
 
 def _run(mode: str, devices: int = 8, timeout: int = 600) -> dict:
     from conftest import run_on_devices
-    return run_on_devices(__file__, mode, devices, FAST_COMPILE, timeout)
+    return run_on_devices(__file__, mode, devices, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
