@@ -471,3 +471,58 @@ def hash_ids(
         rolling = np.bitwise_xor(rolling, products[..., i])
         out.append(rolling[..., None] % primes[None, None, :, i - 1, :])
     return np.concatenate(out, axis=-1) + layout.offsets[None, None]
+
+
+# ------------------------------------------------------------------------------------------------
+# The same hash inside a jitted loop (uint32 arithmetic)
+
+
+def hash_ids_jax(layout: EngramLayout, window_BW, pad_c: int):
+    """`hash_ids` traced in JAX (int32 [B, S, n_layers, n_cols], offsets added) for the device-resident decode
+    loop, where the tokens never reach the host: the int64 products, XORs and remainders are carried out
+    exactly on pairs of uint32 words, since JAX runs without int64. The values are the host's.
+
+    window_BW: int32 [B, max_ngram - 1 + S] compressed ids, the look-back of each row's first new token
+    followed by the new tokens, -1 where a position lies before the row's start (its n-grams use pad_c,
+    the compressed pad id, from there back). Token masks are not supported here (`hash_ids` has them)."""
+    import jax.numpy as jnp
+
+    look = layout.max_ngram - 1
+    s = window_BW.shape[1] - look
+    if s < 1:
+        raise ValueError(f"window_BW: shape {window_BW.shape}: expected {look} look-back ids and at least one token")
+    if max(layout.rows_per_layer, default=0) > 2**31:
+        raise ValueError(f"engram: tables of {max(layout.rows_per_layer)} rows: expected at most 2**31 rows per layer "
+                         "(int32 row ids)")
+    # grams[..., j]: the id j positions back; once a look-back reaches before the start, all further ones do.
+    grams = jnp.stack([window_BW[:, look - j:look - j + s] for j in range(layout.max_ngram)], axis=-1)
+    grams = jnp.where(grams < 0, pad_c, grams).astype(jnp.uint32)[:, :, None, :]  # [B, S, 1, max_ngram]
+    m = layout.multipliers.astype(np.uint64)  # [L, max_ngram], < 2**63
+    m_hi = jnp.asarray((m >> np.uint64(32)).astype(np.uint32))
+    m_lo = jnp.asarray((m & np.uint64(0xFFFFFFFF)).astype(np.uint32))
+    hi, lo = _mul_u32(grams, m_lo)  # id · multiplier < 2**63 (`multiplier_bound`): no carry out of 64 bits
+    hi = hi + grams * m_hi
+    primes = layout.prime_array  # [L, max_ngram - 1, heads]
+    # Remainder by Horner over `step`-bit pieces of the 64-bit value: r · 2**step + piece stays below 2**32.
+    step = 1 << ((32 - int(primes.max()).bit_length()).bit_length() - 1)
+    p = jnp.asarray(primes.astype(np.uint32))
+    x_hi, x_lo, out = hi[..., 0], lo[..., 0], []
+    for i in range(1, layout.max_ngram):
+        x_hi, x_lo = x_hi ^ hi[..., i], x_lo ^ lo[..., i]
+        r = jnp.zeros((*x_hi.shape, p.shape[-1]), jnp.uint32)
+        p_i = p[:, i - 1]  # [L, heads]
+        for word in (x_hi, x_lo):
+            for shift in range(32 - step, -1, -step):
+                piece = (word >> shift) & ((1 << step) - 1)
+                r = ((r << step) | piece[..., None]) % p_i
+        out.append(r)
+    ids = jnp.concatenate(out, axis=-1).astype(jnp.int32)
+    return ids + jnp.asarray(layout.offsets.astype(np.int32))
+
+
+def _mul_u32(a, b):
+    """The 64-bit product of uint32 arrays as (high word, low word), in 16-bit limbs."""
+    a0, a1, b0, b1 = a & 0xFFFF, a >> 16, b & 0xFFFF, b >> 16
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+    mid = (p00 >> 16) + (p01 & 0xFFFF) + (p10 & 0xFFFF)
+    return p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16), (p00 & 0xFFFF) | (mid << 16)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsv41 import engram_hash, sharding
 from dsv41 import model as model_lib
 from dsv41.cache import host_view, init_cache
 from dsv41.errors import ConfigError
@@ -72,6 +73,7 @@ def _generate(params, cfg, prompts, *, max_new_tokens, temperature, top_p, top_k
               vocab_limit, token_map, on_token, on_prefill_progress, prefix_cache=None, loop="host", block=32,
               max_len=None):
     prompts = [list(p) for p in prompts]
+    _check_tables(params)
     stop = set(check_request(cfg, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                              stop_tokens=stop_tokens, chunk=chunk, vocab_limit=vocab_limit, top_k=top_k, seed=seed,
                              loop=loop, block=block))
@@ -105,6 +107,7 @@ def generate_from(params, cfg, cache, logits_BV, *, max_new_tokens: int, tempera
     The same sampler, loops and arguments as `generate_batch`; on_token(row, id) as ids are drawn. The
     cache is consumed (its buffers are donated to the steps). Each row's held tokens + max_new_tokens must
     fit the cache and the context window."""
+    _check_tables(params)
     stop = _check_sampling(cfg, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                            stop_tokens=stop_tokens, seed=seed, loop=loop, block=block, vocab_limit=vocab_limit)
     held = host_view(cache).lengths
@@ -130,7 +133,7 @@ def _continue(params, cfg, cache, logits_BV, *, max_new_tokens, temperature, top
     rows = Sampling.of(b, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, vocab_limit=vocab,
                        max_new_tokens=max_new_tokens, stop_tokens=sorted(stop))
     if loop == "device":
-        return _device_loop(params, cfg, cache, logits_BV, rows, block, on_token)
+        return _device_loop(params, cfg, cache, logits_BV, rows, block, on_token, token_map)
     outputs = [[] for _ in range(b)]
     done = np.zeros(b, bool)
     bound = bind(params, cfg)  # once for the loop (each free call flattens the parameters again)
@@ -216,15 +219,22 @@ def sample(logits_BV, key, temperature, top_p, top_k: int = 0):
     return sample_rows(logits_BV, rows, jnp.zeros((b,), jnp.int32))
 
 
-def _device_loop(params, cfg, cache, logits_BV, rows: Sampling, block: int, on_token):
-    """Blocks of `block` tokens from `_sample_block` until every row is done; the host reads each block."""
+def _device_loop(params, cfg, cache, logits_BV, rows: Sampling, block: int, on_token, token_map=None):
+    """Blocks of `block` tokens from `_sample_block` until every row is done; the host reads each block.
+    An Engram model hashes each step's n-grams on the device (`engram_hash.hash_ids_jax`, the host's values),
+    from token_map (raw -> compressed, default the identity) and the look-back the cache keeps."""
     b = logits_BV.shape[0]
     outputs = [[] for _ in range(b)]
     generated, done = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
     key = model_lib.config_key(cfg)
+    engram = None
+    if list(cfg.architecture.engram.layers):
+        if token_map is None:
+            token_map, _ = engram_hash.identity_token_map(cfg.architecture.vocab_size)
+        engram = jnp.asarray(engram_hash.validate_token_map(model_lib.engram_layout(cfg), token_map), jnp.int32)
     while True:
         tokens_BN, cache, logits_BV, generated, done = _sample_block(key, None, block, params, cache, logits_BV,
-                                                                      rows, generated, done)
+                                                                      rows, generated, done, engram)
         tokens_BN = np.asarray(tokens_BN)
         for row in range(b):
             for token in tokens_BN[row][tokens_BN[row] >= 0].tolist():
@@ -236,11 +246,24 @@ def _device_loop(params, cfg, cache, logits_BV, rows: Sampling, block: int, on_t
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
-def _sample_block(key: str, lowering, block: int, params, cache, logits_BV, rows: Sampling, generated_B, done_B):
+def _sample_block(key: str, lowering, block: int, params, cache, logits_BV, rows: Sampling, generated_B, done_B,
+                  token_map_V=None):
     """Up to `block` decode steps in one `lax.while_loop`: each samples every row's next id, records it
     (tokens [B, block], -1 where a row emitted nothing), ends rows on a stop token or at max_new_tokens
     and, while some row goes on, runs the decode step with the live rows' ids (done rows bring length 0).
+    token_map_V: an Engram model's raw -> compressed ids (int32 [V]); each step hashes its token's n-grams
+    and moves the cache's look-back (`recent_tokens`) on by the rows' new tokens.
     Returns (tokens, cache, logits at the last step, generated counts, done)."""
+    cfg = model_lib.config_from_key(key)
+
+    def engram_ids(recent_BL, token_B):
+        if token_map_V is None:
+            return None
+        window = jnp.concatenate([recent_BL, token_B[:, None]], axis=1)
+        window = jnp.where(window < 0, -1, token_map_V[jnp.maximum(window, 0)])
+        return engram_hash.hash_ids_jax(model_lib.engram_layout(cfg), window,
+                                        token_map_V[cfg.architecture.engram.pad_id])
+
     def cond(carry):
         i, _, _, _, done, _ = carry
         return (i < block) & ~jnp.all(done)
@@ -258,8 +281,13 @@ def _sample_block(key: str, lowering, block: int, params, cache, logits_BV, rows
         # `lax.cond` that skipped it once every row is done would pass the cache through one branch, and XLA
         # copies a buffer a conditional branch passes through: the whole cache, every step
         # (docs/compile_time.md). The step it skipped is at most one per call, after the last token.
-        live = (~done).astype(jnp.int32)
-        logits, cache = step_body(key, lowering, params, cache, jnp.where(done, 0, token)[:, None], live, None)
+        token = jnp.where(done, 0, token)
+        recent = cache.recent_tokens
+        logits, cache = step_body(key, lowering, params, cache, token[:, None], (~done).astype(jnp.int32),
+                                  engram_ids(recent, token))
+        if token_map_V is not None:
+            moved = jnp.concatenate([recent[:, 1:], token[:, None]], axis=1)
+            cache = dataclasses.replace(cache, recent_tokens=jnp.where(done[:, None], recent, moved))
         return i + 1, cache, logits, generated, done, out
 
     out = jnp.full((done_B.shape[0], block), -1, jnp.int32)
@@ -338,15 +366,17 @@ def _check_sampling(cfg, *, max_new_tokens, temperature, top_p, top_k, stop_toke
     if loop == "device":
         if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
             raise ValueError(f"block: {block!r}: expected a positive integer (tokens per device-loop call)")
-        if list(cfg.architecture.engram.layers):  # their hash ids are int64 NumPy on the host (DESIGN §3.7)
-            raise ConfigError("architecture.engram.layers", list(cfg.architecture.engram.layers),
-                              "expected no Engram layers for loop='device': their hash ids are computed on the "
-                              "host each step (use loop='host')")
     if vocab_limit is not None and not (isinstance(vocab_limit, int) and 0 < vocab_limit <= vocab):
         raise ValueError(f"vocab_limit: {vocab_limit!r}: expected None or an integer in 1..{vocab} (vocab_size)")
     stop = list(stop_tokens)
     _check_ids("stop_tokens", stop, vocab)
     return stop
+
+
+def _check_tables(params) -> None:
+    if sharding.engram_on_host(params):
+        raise ConfigError("engram_host", True, "expected the Engram tables in device memory: host-memory tables are "
+                          "read by the sharded steps (`dsv41.Engine(engram_host=True)`, `dsv41 serve --engram-host`)")
 
 
 def _check_ids(name: str, ids, vocab: int) -> None:

@@ -9,6 +9,7 @@ best time (the prompt's one prefill chunk included in the time). The machine's o
 with other processes, from /proc/loadavg before the run) is printed: compare figures of one run only.
 
     python scripts/bench_generate.py --config small --batch 1,8 --new 64
+    python scripts/bench_generate.py --set 'architecture.engram={"layers": [1, 4], ...}'   # an Engram model
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dsv41 import generate as gen
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="small", help="config name or path (default small)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes (default 1,8)")
     p.add_argument("--new", type=int, default=64, help="new tokens per row (default 64)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt tokens per row (default 16)")
@@ -38,7 +40,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batch.split(",")]
-    cfg = dsv41.load_config(args.config)
+    cfg = dsv41.load_config(args.config, overrides=args.set)
     params = dsv41.init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(0)
     load = os.getloadavg()[0]
@@ -66,7 +68,7 @@ def main(argv=None) -> None:
                   f"({cell['device_over_host']}x), identical greedy tokens: {cell['identical_tokens']} "
                   f"(first calls incl. compile: host {cell['host_first_call_s']} s, device "
                   f"{cell['device_first_call_s']} s)", flush=True)
-    out = {"config": cfg.model, "new_tokens": args.new, "prompt_tokens": args.prompt_tokens, "block": args.block,
+    out = {"config": cfg.model, "overrides": args.set, "new_tokens": args.new, "prompt_tokens": args.prompt_tokens, "block": args.block,
            "capacity": args.capacity,
            "backend": jax.default_backend(), "load_average_before": load, "rows": rows}
     if args.json:

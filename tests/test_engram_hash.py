@@ -249,3 +249,43 @@ def test_bad_inputs_raise_clear_errors(small_layout, case_b):
         EngramLayout(layer_ids=(1,), max_ngram=1, heads_per_ngram=2, compressed_vocab_size=128, prime_floor=50)
     with pytest.raises(ValueError, match=r"engram.layers = \[1, 1\]"):
         EngramLayout(layer_ids=(1, 1), max_ngram=4, heads_per_ngram=2, compressed_vocab_size=128, prime_floor=50)
+
+
+# ------------------------------------------------------------------------------------------------
+# The same hash in JAX (uint32 words), for the device-resident decode loop
+
+
+@pytest.mark.parametrize("layout_name", ["small", "full", "wide"])
+@pytest.mark.parametrize("seq,held", [(1, 0), (1, 2), (1, 9), (6, 0), (6, 1), (4, 50)])
+def test_jax_hash_equals_the_big_integer_reference(small_layout, full_layout, layout_name, seq, held):
+    """`hash_ids_jax` (a look-back window of compressed ids, -1 before the start) equals the plain-Python
+    reference on the whole sequence: the port's small primes, the full-size layout (primes near 16M,
+    multipliers near 2**63 / 99,092) and a prime near 2**31 (the remainder taken one bit at a time; one table
+    of that many rows is the most int32 ids address)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41.engram_hash import hash_ids_jax
+
+    layout = {"small": small_layout, "full": full_layout,
+              "wide": EngramLayout(layer_ids=(3,), max_ngram=2, heads_per_ngram=1, compressed_vocab_size=1000,
+                                   prime_floor=2**31 - 200)}[layout_name]
+    rng = np.random.default_rng(seq * 100 + held)
+    vocab = 3 * layout.compressed_vocab_size
+    token_map = rng.integers(0, layout.compressed_vocab_size, size=vocab)
+    token_map[-1] = layout.compressed_vocab_size - 1  # the largest compressed id: the largest product
+    tokens = rng.integers(0, vocab, size=(3, held + seq))
+    tokens[0, -1] = vocab - 1
+    want = reference_hash(layout, token_map, 2, tokens.tolist())[:, held:]
+    look = layout.max_ngram - 1
+    window = np.full((3, look + seq), -1)
+    seen = token_map[tokens[:, max(0, held - look):]]
+    window[:, look + seq - seen.shape[1]:] = seen
+    got = jax.jit(lambda w: hash_ids_jax(layout, w, int(token_map[2])))(jnp.asarray(window, jnp.int32))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), want)
+    if layout_name == "wide":
+        two = EngramLayout(layer_ids=(3,), max_ngram=2, heads_per_ngram=2, compressed_vocab_size=1000,
+                           prime_floor=2**31 - 200)
+        with pytest.raises(ValueError, match=r"engram: tables of \d+ rows: expected at most 2\*\*31 rows per layer"):
+            hash_ids_jax(two, jnp.asarray(window, jnp.int32), 0)

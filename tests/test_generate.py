@@ -18,6 +18,7 @@ import pytest
 import dsv41
 from dsv41 import cli
 from dsv41 import generate as gen
+from dsv41 import sharding
 from dsv41.tokenizer import ByteTokenizer, JsonTokenizer, load_tokenizer
 
 PROMPT = [104, 105]  # "hi"
@@ -135,10 +136,34 @@ def test_sampler_draws_the_top_k_then_nucleus_distribution(temperature, top_k, t
     assert (np.abs(freq - expected) <= 5 * sigma + 1e-12).all(), (freq, expected)
 
 
-def test_the_device_loop_refuses_engram_configs(model):
-    cfg = dsv41.load_config("tiny", ["architecture.engram.layers=[1]"])
-    with pytest.raises(dsv41.ConfigError, match="architecture.engram.layers.*loop='host'"):
-        gen.generate(model[0], cfg, PROMPT, max_new_tokens=2, loop="device")
+ENGRAM = ('{"layers": [1, 4], "max_ngram": 3, "heads_per_ngram": 2, "row_dim": 16, '
+          '"compressed_vocab_size": 256, "prime_floor": 100, "pad_id": 2}')
+
+
+@pytest.mark.slow
+def test_the_device_loop_hashes_engram_ngrams_as_the_host_does():
+    """tiny with Engram at layers 1 and 4 (tables scaled up, so that the rows looked up move the logits): the
+    device loop hashes each step's n-grams on the device and moves the cache's look-back itself; its greedy
+    tokens equal the host loop's (int64 NumPy hashes) for a ragged batch in blocks of 2, with the identity
+    token map and with one that merges ids, and the two maps give different tokens (the rows matter). Tables
+    in host memory (read by the sharded steps only) are refused before any step runs, naming the field."""
+    cfg = dsv41.load_config("tiny", [f"architecture.engram={ENGRAM}"])
+    params = dsv41.init_params(cfg, jax.random.key(0))
+    for k in range(2):
+        table = params["engram"][k]["table"]
+        table.set_value(table.get_value() * 30)
+    prompts = [[104, 105, 3, 7, 9], [11, 12]]
+    identity = np.arange(cfg.architecture.vocab_size)
+    run = lambda loop, token_map: gen.generate_batch(params, cfg, prompts, max_new_tokens=7, chunk=4, loop=loop,
+                                                     block=2, token_map=token_map)
+    host = run("host", identity)
+    assert run("device", identity) == host
+    merged = run("host", identity // 2)
+    assert run("device", identity // 2) == merged != host
+    on_host = sharding.shard_params(params, cfg, jax.make_mesh((1,), ("data",)), engram_host=True)
+    for loop in ("host", "device"):
+        with pytest.raises(dsv41.ConfigError, match="'engram_host' = True: expected the Engram tables in device"):
+            gen.generate(on_host, cfg, PROMPT, max_new_tokens=2, loop=loop)
 
 
 @pytest.mark.slow
