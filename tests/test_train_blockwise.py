@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import dsv41
 from dsv41 import model as model_lib
-from dsv41 import selections, train
+from dsv41 import train
 from dsv41.errors import ConfigError
 
 
@@ -42,45 +41,21 @@ def _global_rel(a_tree, b_tree):
 
 @pytest.mark.parametrize("name,seq,block", [("tiny", 100, 32), ("tiny_v4", 100, 32), ("passkey", 1100, 512)])
 def test_blockwise_logits_and_records_equal_every_query_at_once(name, seq, block):
-    """Forced to the selections every query at once made (picks, pool, experts), the blockwise forward gives
-    its logits to 1e-5 of their scale and records the same choices. Its own choices equal them but for a near
-    tie: scores summed in another order (XLA:CPU with LLVM's optimisation off) swapped one pick of one query
-    among 2 × 1,100 at passkey's layer 4, whose 16th and 17th indexer scores were 1.6e-6 apart (4e-6 relative),
-    and that query's later logits then move by 0.06. So at most one query in 1,000 per layer may differ, by one
-    swapped entry."""
     dense, blockwise = _configs(name, block)
     params = dsv41.init_params(dense, jax.random.key(0))
     tokens = _batch(dense, 2, seq)["inputs"]
-    want, want_rec = _recorded_forward(dense, params, tokens)
-    chosen = {kind: {layer: np.asarray(selections.flat(want_rec[layer])[kind]) for layer in layers}
-              for kind, layers in selections.widths(dense).items()}
-    assert sum(len(v) for k, v in chosen.items() if k != "experts") >= (1 if name == "tiny_v4" else 3)
-    positions = np.broadcast_to(np.arange(seq), tokens.shape)
-    got, got_rec = _recorded_forward(blockwise, params, tokens, selections.check(dense, chosen, positions))
+    want, want_rec = model_lib.forward_with_intermediates(params, dense, tokens)
+    got, got_rec = model_lib.forward_with_intermediates(params, blockwise, tokens)
     scale = float(jnp.max(jnp.abs(want)))
     assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * scale
-    for kind, layers in chosen.items():
-        for layer, value in layers.items():
-            np.testing.assert_array_equal(np.asarray(selections.flat(got_rec[layer])[kind]), value,
-                                          err_msg=f"forced: layer {layer} {kind}")
-    _, own_rec = _recorded_forward(blockwise, params, tokens)
-    for kind in ("picks", "pool_ids"):
-        for layer, value in chosen.get(kind, {}).items():
-            own = np.asarray(selections.flat(own_rec[layer])[kind])
-            swapped = (own[..., :, None] != value[..., None, :]).all(-1).sum(-1)  # per query: entries not in the other
-            assert (swapped > 0).mean() <= 1e-3 and swapped.max() <= 1, (layer, kind, np.argwhere(swapped))
-
-
-def _recorded_forward(cfg, params, tokens, forced=None):
-    """(logits, per-layer records) of the whole-sequence forward, forced to `forced` selections when given."""
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-
-    @jax.jit
-    def run(params, tokens, forced):
-        model = nnx.merge(model_lib.graphdef(model_lib.config_key(cfg)), params)
-        return model(tokens, positions, record=True, forced=forced)
-
-    return run(params, jnp.asarray(tokens), forced)
+    picked = 0
+    for i, (w, g) in enumerate(zip(want_rec, got_rec, strict=True)):
+        for name_ in ("picks", "pool_ids"):
+            if name_ in w["attn"]:
+                np.testing.assert_array_equal(np.asarray(g["attn"][name_]), np.asarray(w["attn"][name_]),
+                                              err_msg=f"layer {i} {name_}")
+                picked += 1
+    assert picked >= (1 if name == "tiny_v4" else 3)
 
 
 @pytest.mark.slow
