@@ -229,8 +229,7 @@ def _device_loop(params, cfg, cache, logits_BV, rows: Sampling, block: int, on_t
     key = model_lib.config_key(cfg)
     engram = None
     if list(cfg.architecture.engram.layers):
-        if token_map is None:
-            token_map, _ = engram_hash.identity_token_map(cfg.architecture.vocab_size)
+        token_map = model_lib.engram_token_map(cfg, token_map)
         engram = jnp.asarray(engram_hash.validate_token_map(model_lib.engram_layout(cfg), token_map), jnp.int32)
     while True:
         tokens_BN, cache, logits_BV, generated, done = _sample_block(key, None, block, params, cache, logits_BV,

@@ -74,18 +74,25 @@ def engram_ids(cfg, tokens, token_map=None) -> np.ndarray | None:
     """Host-side Engram hash ids [B, S, L_engram, C] (int64 NumPy) for tokens starting at position 0.
 
     token_map: raw id -> compressed id (`engram_hash.compressed_token_map(tokenizer)`); without one
-    every token is its own class, which needs compressed_vocab_size == vocab_size.
+    every token is its own class, which needs compressed_vocab_size == vocab_size (`engram_token_map`).
     """
-    e, a = cfg.architecture.engram, cfg.architecture
+    e = cfg.architecture.engram
     if not list(e.layers):
         return None
-    if token_map is None:
-        if e.compressed_vocab_size != a.vocab_size:
-            raise ConfigError("architecture.engram.compressed_vocab_size", e.compressed_vocab_size,
-                              f"expected a token map (raw id -> compressed id) or vocab_size ({a.vocab_size}) "
-                              "when no tokenizer defines the compressed vocabulary")
-        token_map, _ = engram_hash.identity_token_map(a.vocab_size)
-    return engram_hash.hash_ids(engram_layout(cfg), token_map, e.pad_id, np.asarray(tokens))
+    return engram_hash.hash_ids(engram_layout(cfg), engram_token_map(cfg, token_map), e.pad_id, np.asarray(tokens))
+
+
+def engram_token_map(cfg, token_map=None) -> np.ndarray:
+    """The raw -> compressed id map an Engram model hashes with: `token_map`, or without one the identity
+    (every token its own class), which needs compressed_vocab_size == vocab_size."""
+    e, a = cfg.architecture.engram, cfg.architecture
+    if token_map is not None:
+        return token_map
+    if e.compressed_vocab_size != a.vocab_size:
+        raise ConfigError("architecture.engram.compressed_vocab_size", e.compressed_vocab_size,
+                          f"expected a token map (raw id -> compressed id) or vocab_size ({a.vocab_size}) "
+                          "when no tokenizer defines the compressed vocabulary")
+    return engram_hash.identity_token_map(a.vocab_size)[0]
 
 
 def forward(params: nnx.State, cfg, tokens, *, engram_ids_BSLC=None, token_map=None) -> jax.Array:

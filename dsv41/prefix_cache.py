@@ -568,9 +568,7 @@ class PrefixCache:
         e = self.cfg.architecture.engram
         if not list(e.layers):
             return None
-        token_map = self.token_map
-        if token_map is None:
-            token_map, _ = engram_hash.identity_token_map(self.cfg.architecture.vocab_size)
+        token_map = model_lib.engram_token_map(self.cfg, self.token_map)
         layout = model_lib.engram_layout(self.cfg)
         out = []
         for row, p in enumerate(prompts):

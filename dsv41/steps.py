@@ -180,8 +180,7 @@ def engram_inputs(cfg, recent_BL, tokens, counts, held, token_map=None):
     e = cfg.architecture.engram
     if not list(e.layers):
         return None, recent_BL
-    if token_map is None:
-        token_map, _ = engram_hash.identity_token_map(cfg.architecture.vocab_size)
+    token_map = model_lib.engram_token_map(cfg, token_map)
     layout = model_lib.engram_layout(cfg)
     look = e.max_ngram - 1
     recent = np.asarray(recent_BL)

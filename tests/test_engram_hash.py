@@ -289,3 +289,24 @@ def test_jax_hash_equals_the_big_integer_reference(small_layout, full_layout, la
                            prime_floor=2**31 - 200)
         with pytest.raises(ValueError, match=r"engram: tables of \d+ rows: expected at most 2\*\*31 rows per layer"):
             hash_ids_jax(two, jnp.asarray(window, jnp.int32), 0)
+
+
+def test_without_a_token_map_the_identity_needs_the_compressed_vocabulary_to_be_the_vocabulary():
+    """V4.1-Flash's 129,280 token ids map into 99,092 classes: a step, the teacher-forced ids and the device
+    loop's map refuse to hash without a token map, naming the field (the identity would overflow the classes)."""
+    from dsv41 import model as model_lib
+    from dsv41 import steps
+
+    cfg = dsv41.load_config("v41_flash")
+    message = r"architecture.engram.compressed_vocab_size' = 99092: expected a token map .* vocab_size \(129280\)"
+    with pytest.raises(dsv41.ConfigError, match=message):
+        steps.engram_inputs(cfg, np.full((1, 3), -1), np.zeros((1, 1), np.int64), np.ones(1, np.int32), np.zeros(1))
+    with pytest.raises(dsv41.ConfigError, match=message):
+        model_lib.engram_ids(cfg, np.zeros((1, 4), np.int64))
+    token_map = np.arange(129_280) % 99_092
+    assert model_lib.engram_token_map(cfg, token_map) is token_map
+    ids, recent = steps.engram_inputs(cfg, np.full((1, 3), -1), np.full((1, 1), 129_279), np.ones(1, np.int32),
+                                      np.zeros(1), token_map)
+    np.testing.assert_array_equal(np.asarray(ids), hash_ids(EngramLayout.from_config(cfg), token_map, 2,
+                                                            np.full((1, 1), 129_279)))
+    assert recent.tolist() == [[-1, -1, 129_279]]
