@@ -462,8 +462,27 @@ def hash_ids(
         blocked = blocked | (positions - shift < 0) | ~alive[:, safe]
         grams[:, :, shift] = np.where(blocked, pad_c, buffer[:, safe])
 
+    return _hash_grams(layout, grams)
+
+
+def hash_window(layout: EngramLayout, window_BW, pad_c: int) -> np.ndarray:
+    """`hash_ids` of every row's new tokens at once, from a window of compressed ids: int64 [B, max_ngram - 1 + S],
+    each row's look-back before its first new token followed by the new tokens, -1 where a position lies before
+    the row's start (rows may hold different numbers of tokens). pad_c: the compressed pad id. Returns int64
+    [B, S, n_layers, n_cols], offsets added. A decode step's ids (`steps.engram_inputs`); `hash_ids_jax` is the
+    same on the device."""
+    window = np.asarray(window_BW, np.int64)
+    look = layout.max_ngram - 1
+    s = window.shape[1] - look
+    # Once a look-back reaches before the start, every further one does: -1 only leads a row.
+    grams = np.stack([window[:, look - j:look - j + s] for j in range(layout.max_ngram)], axis=-1)
+    return _hash_grams(layout, np.where(grams < 0, pad_c, grams))
+
+
+def _hash_grams(layout: EngramLayout, grams_BSN) -> np.ndarray:
+    """Row ids [B, S, n_layers, n_cols] of the compressed ids at look-backs 0..max_ngram-1 [B, S, max_ngram]."""
     # [B, S, L, max_ngram]; each product < int64 max because ids < compressed_vocab_size.
-    products = grams[:, :, None, :] * layout.multipliers[None, None, :, :]
+    products = grams_BSN[:, :, None, :] * layout.multipliers[None, None, :, :]
     primes = layout.prime_array
     rolling = products[..., 0]
     out = []
@@ -478,7 +497,7 @@ def hash_ids(
 
 
 def hash_ids_jax(layout: EngramLayout, window_BW, pad_c: int):
-    """`hash_ids` traced in JAX (int32 [B, S, n_layers, n_cols], offsets added) for the device-resident decode
+    """`hash_window` traced in JAX (int32 [B, S, n_layers, n_cols], offsets added) for the device-resident decode
     loop, where the tokens never reach the host: the int64 products, XORs and remainders are carried out
     exactly on pairs of uint32 words, since JAX runs without int64. The values are the host's.
 

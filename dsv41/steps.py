@@ -176,23 +176,24 @@ def lower(params, cfg, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC=None, 
 def engram_inputs(cfg, recent_BL, tokens, counts, held, token_map=None):
     """Host-side Engram inputs of a step: (hash ids [B, S, L_engram, C] int32 on device, the new look-back
     [B, max_ngram-1]) for tokens [B, S] (row b: its first counts[b]) after held[b] tokens whose last ones are
-    recent_BL (-1 before the start). A config without Engram layers gives (None, recent_BL)."""
+    recent_BL (-1 before the start). A config without Engram layers gives (None, recent_BL). Every row is
+    hashed at once (`engram_hash.hash_window`), in int64 NumPy."""
     e = cfg.architecture.engram
     if not list(e.layers):
         return None, recent_BL
-    token_map = model_lib.engram_token_map(cfg, token_map)
     layout = model_lib.engram_layout(cfg)
+    token_map = engram_hash.validate_token_map(layout, model_lib.engram_token_map(cfg, token_map))
     look = e.max_ngram - 1
-    recent = np.asarray(recent_BL)
-    ids, new_recent = [], np.full_like(recent, -1)
-    for row in range(tokens.shape[0]):
-        h = min(look, int(held[row]))
-        history = recent[row, look - h:][None]
-        ids.append(engram_hash.hash_ids(layout, token_map, e.pad_id, tokens[row:row + 1],
-                                        int(held[row]) + np.arange(tokens.shape[1]), history=history))
-        seen = np.concatenate([recent[row, look - h:], tokens[row, :counts[row]]])[-look:]
-        new_recent[row, look - len(seen):] = seen
-    return jnp.asarray(np.concatenate(ids), jnp.int32), new_recent
+    tokens, held = np.asarray(tokens), np.asarray(held)
+    if look == 0:
+        window = tokens
+    else:
+        before = held[:, None] - look + np.arange(look) < 0  # look-back positions before the row's start
+        window = np.concatenate([np.where(before, -1, np.asarray(recent_BL)), tokens], axis=1)
+    new_recent = window[np.arange(len(window))[:, None], np.asarray(counts)[:, None] + np.arange(look)]
+    compressed = np.where(window < 0, -1, token_map[np.maximum(window, 0)])
+    ids = engram_hash.hash_window(layout, compressed, int(token_map[e.pad_id]))
+    return jnp.asarray(ids, jnp.int32), new_recent.astype(np.asarray(recent_BL).dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dsv41.engram_hash import (
     compressed_token_map,
     compressed_token_map_from_texts,
     hash_ids,
+    hash_window,
     identity_token_map,
     is_prime,
     multiplier_bound,
@@ -258,7 +259,7 @@ def test_bad_inputs_raise_clear_errors(small_layout, case_b):
 @pytest.mark.parametrize("layout_name", ["small", "full", "wide"])
 @pytest.mark.parametrize("seq,held", [(1, 0), (1, 2), (1, 9), (6, 0), (6, 1), (4, 50)])
 def test_jax_hash_equals_the_big_integer_reference(small_layout, full_layout, layout_name, seq, held):
-    """`hash_ids_jax` (a look-back window of compressed ids, -1 before the start) equals the plain-Python
+    """`hash_ids_jax` and `hash_window` (a look-back window of compressed ids, -1 before the start) equals the plain-Python
     reference on the whole sequence: the port's small primes, the full-size layout (primes near 16M,
     multipliers near 2**63 / 99,092) and a prime near 2**31 (the remainder taken one bit at a time; one table
     of that many rows is the most int32 ids address)."""
@@ -284,6 +285,7 @@ def test_jax_hash_equals_the_big_integer_reference(small_layout, full_layout, la
     got = jax.jit(lambda w: hash_ids_jax(layout, w, int(token_map[2])))(jnp.asarray(window, jnp.int32))
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(hash_window(layout, window, int(token_map[2])), want)  # the host's, all rows at once
     if layout_name == "wide":
         two = EngramLayout(layer_ids=(3,), max_ngram=2, heads_per_ngram=2, compressed_vocab_size=1000,
                            prime_floor=2**31 - 200)
@@ -310,3 +312,27 @@ def test_without_a_token_map_the_identity_needs_the_compressed_vocabulary_to_be_
     np.testing.assert_array_equal(np.asarray(ids), hash_ids(EngramLayout.from_config(cfg), token_map, 2,
                                                             np.full((1, 1), 129_279)))
     assert recent.tolist() == [[-1, -1, 129_279]]
+
+
+def test_a_steps_ids_hash_rows_of_different_lengths_at_once(full_layout):
+    """`steps.engram_inputs` hashes every row of a step at once: rows holding 0, 1, 2 and 40 tokens (fewer than
+    the look-back, and more), 3 new tokens of which each row brings its first 3, 1, 0 and 2, give per row what
+    `hash_ids` gives that row alone with its history, and the look-back each row keeps is its last 3 tokens."""
+    from dsv41 import steps
+
+    cfg = dsv41.load_config("v41_flash")
+    token_map = np.arange(129_280) % 99_092
+    rng = np.random.default_rng(7)
+    history = [rng.integers(0, 129_280, size=h).tolist() for h in (0, 1, 2, 40)]
+    recent = np.full((4, 3), -1)
+    for row, h in enumerate(history):
+        recent[row, 3 - min(3, len(h)):] = h[-3:] if h else []
+    tokens, counts = rng.integers(0, 129_280, size=(4, 3)), np.array([3, 1, 0, 2], np.int32)
+    held = np.array([len(h) for h in history])
+    ids, kept = steps.engram_inputs(cfg, recent, tokens, counts, held, token_map)
+    for row, h in enumerate(history):
+        want = hash_ids(full_layout, token_map, 2, tokens[row:row + 1], len(h) + np.arange(3),
+                        history=np.asarray(h[-3:], np.int64)[None])
+        np.testing.assert_array_equal(np.asarray(ids[row:row + 1]), want, err_msg=f"row {row}")
+        seen = (h + tokens[row, :counts[row]].tolist())[-3:]
+        assert kept[row].tolist() == [-1] * (3 - len(seen)) + seen
