@@ -471,12 +471,17 @@ def hash_window(layout: EngramLayout, window_BW, pad_c: int) -> np.ndarray:
     the row's start (rows may hold different numbers of tokens). pad_c: the compressed pad id. Returns int64
     [B, S, n_layers, n_cols], offsets added. A decode step's ids (`steps.engram_inputs`); `hash_ids_jax` is the
     same on the device."""
-    window = np.asarray(window_BW, np.int64)
-    look = layout.max_ngram - 1
-    s = window.shape[1] - look
-    # Once a look-back reaches before the start, every further one does: -1 only leads a row.
-    grams = np.stack([window[:, look - j:look - j + s] for j in range(layout.max_ngram)], axis=-1)
-    return _hash_grams(layout, np.where(grams < 0, pad_c, grams))
+    return _hash_grams(layout, look_backs(np, np.asarray(window_BW, np.int64), layout.max_ngram, pad_c))
+
+
+def look_backs(xp, window_BW, max_ngram: int, pad_c: int):
+    """[B, S, max_ngram]: for each new token of a look-back window [B, max_ngram - 1 + S] (`hash_window`) the
+    ids 0..max_ngram-1 positions back, pad_c where that lies before the row's start (once a look-back
+    reaches before the start every further one does: -1 only leads a row). xp: numpy or jax.numpy."""
+    look = max_ngram - 1
+    s = window_BW.shape[1] - look
+    grams = xp.stack([window_BW[:, look - j:look - j + s] for j in range(max_ngram)], axis=-1)
+    return xp.where(grams < 0, pad_c, grams)
 
 
 def _hash_grams(layout: EngramLayout, grams_BSN) -> np.ndarray:
@@ -513,9 +518,7 @@ def hash_ids_jax(layout: EngramLayout, window_BW, pad_c: int):
     if max(layout.rows_per_layer, default=0) > 2**31:
         raise ValueError(f"engram: tables of {max(layout.rows_per_layer)} rows: expected at most 2**31 rows per layer "
                          "(int32 row ids)")
-    # grams[..., j]: the id j positions back; once a look-back reaches before the start, all further ones do.
-    grams = jnp.stack([window_BW[:, look - j:look - j + s] for j in range(layout.max_ngram)], axis=-1)
-    grams = jnp.where(grams < 0, pad_c, grams).astype(jnp.uint32)[:, :, None, :]  # [B, S, 1, max_ngram]
+    grams = look_backs(jnp, window_BW, layout.max_ngram, pad_c).astype(jnp.uint32)[:, :, None, :]  # [B, S, 1, max_ngram]
     m = layout.multipliers.astype(np.uint64)  # [L, max_ngram], < 2**63
     m_hi = jnp.asarray((m >> np.uint64(32)).astype(np.uint32))
     m_lo = jnp.asarray((m & np.uint64(0xFFFFFFFF)).astype(np.uint32))

@@ -292,6 +292,27 @@ def chain_keys(fp: str, tokens, block: int) -> list[str]:
 # The prefix cache
 
 
+def replay_engram_ids(cfg, token_map, prompts, n_cached, tokens, counts):
+    """Engram ids [B, R, L_engram, C] (None without Engram layers) of replayed tokens [B, R]: row b's tokens
+    start at position n_cached[b] - counts[b] and look back into its prompt; every row hashed at once
+    (`engram_hash.hash_window`)."""
+    e = cfg.architecture.engram
+    if not list(e.layers):
+        return None
+    layout = model_lib.engram_layout(cfg)
+    token_map = engram_hash.validate_token_map(layout, model_lib.engram_token_map(cfg, token_map))
+    look = e.max_ngram - 1
+    tokens = np.asarray(tokens)
+    window = np.full((len(prompts), look + tokens.shape[1]), -1, np.int64)
+    for row, p in enumerate(prompts):
+        start = int(n_cached[row]) - int(counts[row])
+        back = np.asarray(p)[max(0, start - look):start]
+        window[row, look - len(back):look] = back
+    window[:, look:] = tokens
+    compressed = np.where(window < 0, -1, token_map[np.maximum(window, 0)])
+    return jnp.asarray(engram_hash.hash_window(layout, compressed, int(token_map[e.pad_id])), jnp.int32)
+
+
 class PrefixCache:
     """Global KV of prompt prefixes on disk, window rings in a host pool, bounded replay on a pool miss.
 
@@ -561,22 +582,8 @@ class PrefixCache:
             infos[row].replayed = (n, min(dec, n))
             self.counters.replays += 1
             self.counters.replayed_tokens += n
-        ids = self._engram_ids(prompts, n_cached, tokens, counts)
+        ids = replay_engram_ids(self.cfg, self.token_map, prompts, n_cached, tokens, counts)
         return self.steps.replay(cache, tokens, counts, decoder_tokens=dec, engram_ids_BRLC=ids)
-
-    def _engram_ids(self, prompts, n_cached, tokens, counts):
-        e = self.cfg.architecture.engram
-        if not list(e.layers):
-            return None
-        token_map = model_lib.engram_token_map(self.cfg, self.token_map)
-        layout = model_lib.engram_layout(self.cfg)
-        out = []
-        for row, p in enumerate(prompts):
-            start = n_cached[row] - int(counts[row])
-            history = p[max(0, start - (e.max_ngram - 1)):start][None]
-            out.append(engram_hash.hash_ids(layout, token_map, e.pad_id, tokens[row:row + 1],
-                                            start + np.arange(tokens.shape[1]), history=history))
-        return jnp.asarray(np.concatenate(out), jnp.int32)
 
     # -- restore, prefill, save ----------------------------------------------------------------
 

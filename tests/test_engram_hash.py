@@ -336,3 +336,28 @@ def test_a_steps_ids_hash_rows_of_different_lengths_at_once(full_layout):
         np.testing.assert_array_equal(np.asarray(ids[row:row + 1]), want, err_msg=f"row {row}")
         seen = (h + tokens[row, :counts[row]].tolist())[-3:]
         assert kept[row].tolist() == [-1] * (3 - len(seen)) + seen
+
+
+def test_a_replays_ids_hash_rows_of_different_starts_at_once(full_layout):
+    """The prefix cache's bounded replay hashes every row at once (`prefix_cache.replay_engram_ids`): rows whose
+    replay starts at positions 0, 1, 2 and 37 of their prompts (fewer tokens before it than the look-back, and
+    more), with 4, 3, 0 and 4 replayed tokens, give per row what `hash_ids` gives that row alone with its prompt's
+    last 3 tokens before the start as history."""
+    from dsv41.prefix_cache import replay_engram_ids
+
+    cfg = dsv41.load_config("v41_flash")
+    token_map = np.arange(129_280) % 99_092
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 129_280, size=n) for n in (4, 5, 2, 41)]
+    counts = np.array([4, 3, 0, 4], np.int32)
+    n_cached = np.array([4, 4, 2, 41])
+    tokens = np.zeros((4, 4), np.int32)
+    for row, p in enumerate(prompts):
+        tokens[row, :counts[row]] = p[n_cached[row] - counts[row]:n_cached[row]]
+    ids = replay_engram_ids(cfg, token_map, prompts, n_cached, tokens, counts)
+    assert ids.shape == (4, 4, 2, full_layout.n_cols)
+    for row, p in enumerate(prompts):
+        start = n_cached[row] - counts[row]
+        want = hash_ids(full_layout, token_map, 2, tokens[row:row + 1], start + np.arange(4),
+                        history=np.asarray(p[max(0, start - 3):start], np.int64)[None])
+        np.testing.assert_array_equal(np.asarray(ids[row:row + 1]), want, err_msg=f"row {row}")

@@ -95,6 +95,11 @@ def window_from(positions_BS, start_B=None):
     return positions_BS >= start_B[:, None]
 
 
+def spec_entry(names: tuple[str, ...]):
+    """The PartitionSpec entry of a dimension split over mesh axes `names`: None, one name or the tuple."""
+    return None if not names else names[0] if len(names) == 1 else names
+
+
 @dataclasses.dataclass(frozen=True)
 class SequenceLayout:
     """Sequence (context) parallelism on a mesh (`Lowering.sequence`): the token rows split over `batch_axes`,
@@ -112,10 +117,9 @@ class SequenceLayout:
         return math.prod(self.mesh.shape[a] for a in self.seq_axes)
 
     def _constrain(self, x, dims: dict):
-        on = lambda names: None if not names else names[0] if len(names) == 1 else names
         spec = [None] * x.ndim
         for dim, names in dims.items():
-            spec[dim] = on(names)
+            spec[dim] = spec_entry(names)
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(*spec)))
 
     def split(self, x, seq_dim: int = 1, batch_dim: int = 0):

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from dsv41.errors import ConfigError
 from dsv41.kernels import dispatch
-from dsv41.nn.attend import over_query_blocks
+from dsv41.nn.attend import over_query_blocks, spec_entry
 from dsv41.nn.linear import Dense, param
 from dsv41.nn.policy import Policy
 
@@ -278,7 +278,7 @@ def experts_parallel(layout: ExpertLayout, x_ND, weights_Nk, idx_Nk, w1_EDI, w3_
         y = jax.lax.psum(y, reduce) if reduce else y
         return y.reshape(*shape[:-1], y.shape[-1])
 
-    on = lambda names: None if not names else names[0] if len(names) == 1 else names   # a PartitionSpec entry
+    on = spec_entry
     operands = (x_ND, weights_Nk, idx_Nk)
     if layout.seq_axes:
         for axes, size, what in ((layout.token_axes, rows[0], "rows"), (layout.seq_axes, rows[1], "tokens")):
