@@ -73,7 +73,8 @@ def test_a_ragged_batch_in_chunks_equals_each_prompt_alone(model):
     params, cfg = model
     prompts, new = [[7, 200, 31, 4, 99], [12, 5, 250]], 3
     progress = []
-    logits, cache = gen.prefill_chunked(params, cfg, dsv41.init_cache(cfg, 2, 8), prompts, chunk=2,
+    # A capacity of 12, as the device-loop tests' default: the decode step is compiled once for the module.
+    logits, cache = gen.prefill_chunked(params, cfg, dsv41.init_cache(cfg, 2, 12), prompts, chunk=2,
                                         on_progress=lambda done, total: progress.append((done, total)))
     for row, p in enumerate(prompts):
         np.testing.assert_allclose(np.asarray(logits[row]), forward_last(params, cfg, p, width=7), atol=1e-5, rtol=0)
@@ -81,8 +82,9 @@ def test_a_ragged_batch_in_chunks_equals_each_prompt_alone(model):
     expected = [forward_greedy(params, cfg, p, new, width=7) for p in prompts]
     stop = expected[1][1]
     cut = [e[:e.index(stop)] if stop in e else e for e in expected]
-    assert gen.generate_batch(params, cfg, prompts, max_new_tokens=new, chunk=2) == expected
-    assert gen.generate_batch(params, cfg, prompts, max_new_tokens=new, chunk=2, stop_tokens=[stop]) == cut
+    assert gen.generate_batch(params, cfg, prompts, max_new_tokens=new, chunk=2, max_len=12) == expected
+    assert gen.generate_batch(params, cfg, prompts, max_new_tokens=new, chunk=2, max_len=12,
+                              stop_tokens=[stop]) == cut
 
 
 @pytest.mark.slow
@@ -187,11 +189,12 @@ def test_the_device_loop_equals_the_host_loop(model):
 def test_a_fixed_capacity_gives_the_same_tokens_and_a_short_one_is_refused(model):
     """max_len: the cache's capacity (gemma's cache_length); a larger one than the request needs changes no
     token (the steps cover the filled part of each row), one too small is refused naming the field."""
+    # The device-loop test's prompts, tokens and chunks: the default capacity's programs are compiled once.
     prompts = [[104, 105, 3, 7, 9], [11, 12]]
-    run = lambda **kw: gen.generate_batch(*model, prompts, max_new_tokens=4, chunk=4, **kw)
-    assert run(max_len=256, loop="device", block=2) == run()
-    with pytest.raises(ValueError, match=r"max_len: 8: expected an int of at least .* = 9"):
-        run(max_len=8)
+    run = lambda **kw: gen.generate_batch(*model, prompts, max_new_tokens=7, chunk=4, **kw)
+    assert run(max_len=256, loop="device", block=3) == run()
+    with pytest.raises(ValueError, match=r"max_len: 11: expected an int of at least .* = 12"):
+        run(max_len=11)
 
 
 def test_generation_continues_from_a_prefilled_cache(model):

@@ -165,11 +165,12 @@ def test_rows_of_different_lengths_in_chunks(port):
     a0, a1 = 97 * n0 // 203, 61 * n1 // 150          # first chunks
     b0, b1 = n0 - 6 - a0, n1 - 1 - a1                # second chunks
     c = cache_lib.init_cache(cfg, 2, 256)
-    first = np.zeros((2, a0), np.int64)
-    first[0], first[1, :a1] = ids[:a0], ids[:a1]
+    width = max(a0, b0, b1)  # both chunks padded to one width: one compiled prefill step
+    first = np.zeros((2, width), np.int64)
+    first[0, :a0], first[1, :a1] = ids[:a0], ids[:a1]
     logits, c = steps.prefill(params, cfg, c, first, lengths=[a0, a1], token_map=token_map)
     errors = [np.abs(np.asarray(logits) - ref[[a0 - 1, a1 - 1]]).max()]
-    rest = np.zeros((2, max(b0, b1)), np.int64)
+    rest = np.zeros((2, width), np.int64)
     rest[0, :b0] = ids[a0:a0 + b0]
     rest[1, :b1] = ids[a1:a1 + b1]
     logits, c = steps.prefill(params, cfg, c, rest, lengths=[b0, b1], token_map=token_map)
