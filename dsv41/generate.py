@@ -255,9 +255,11 @@ def _sample_block(key: str, lowering, block: int, params, cache, logits_BV, rows
     Returns (tokens, cache, logits at the last step, generated counts, done)."""
     cfg = model_lib.config_from_key(key)
 
-    def engram_ids(recent_BL, token_B):
+    def engram_ids(recent_BL, token_B, held_B):
         if token_map_V is None:
             return None
+        look = recent_BL.shape[1]  # positions before a row's start are -1 whatever the cache holds, as on the host
+        recent_BL = jnp.where(held_B[:, None] - look + jnp.arange(look) < 0, -1, recent_BL)
         window = jnp.concatenate([recent_BL, token_B[:, None]], axis=1)
         window = jnp.where(window < 0, -1, token_map_V[jnp.maximum(window, 0)])
         return engram_hash.hash_ids_jax(model_lib.engram_layout(cfg), window,
@@ -283,7 +285,7 @@ def _sample_block(key: str, lowering, block: int, params, cache, logits_BV, rows
         token = jnp.where(done, 0, token)
         recent = cache.recent_tokens
         logits, cache = step_body(key, lowering, params, cache, token[:, None], (~done).astype(jnp.int32),
-                                  engram_ids(recent, token))
+                                  engram_ids(recent, token, cache.lengths))
         if token_map_V is not None:
             moved = jnp.concatenate([recent[:, 1:], token[:, None]], axis=1)
             cache = dataclasses.replace(cache, recent_tokens=jnp.where(done[:, None], recent, moved))

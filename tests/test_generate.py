@@ -8,6 +8,7 @@ compiled step, and every forward call has 5 tokens. The ragged batch (other shap
 fresh process are marked slow.
 """
 
+import dataclasses
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 import dsv41
+from dsv41 import cache as cache_lib
 from dsv41 import cli
 from dsv41 import generate as gen
 from dsv41 import sharding
@@ -162,6 +164,21 @@ def test_the_device_loop_hashes_engram_ngrams_as_the_host_does():
     assert run("device", identity) == host
     merged = run("host", identity // 2)
     assert run("device", identity // 2) == merged != host
+    # A look-back slot before a row's start hashes as the pad id whatever the cache holds there: both loops mask
+    # it by the row's length. Row 1 holds 1 token, so the first of its 2 look-back slots is before its start.
+    short = [prompts[0], [11]]
+    want = gen.generate_batch(params, cfg, short, max_new_tokens=7, chunk=4, loop="host", token_map=identity)
+    for loop in ("host", "device"):
+        logits, cache = gen.prefill_chunked(params, cfg, dsv41.init_cache(cfg, 2, 12), short, chunk=4,
+                                            token_map=identity)
+        view = cache_lib.host_view(cache)
+        assert view.recent_tokens[1].tolist() == [-1, 11]
+        bad = view.recent_tokens.copy()
+        bad[1, 0] = 77
+        cache = cache_lib.with_mirror(dataclasses.replace(cache, recent_tokens=jax.numpy.asarray(bad)),
+                                        view.lengths, bad)
+        assert gen.generate_from(params, cfg, cache, logits, max_new_tokens=7, loop=loop, block=2,
+                                 token_map=identity) == want, loop
     on_host = sharding.shard_params(params, cfg, jax.make_mesh((1,), ("data",)), engram_host=True)
     for loop in ("host", "device"):
         with pytest.raises(dsv41.ConfigError, match="'engram_host' = True: expected the Engram tables in device"):
