@@ -474,6 +474,17 @@ def hash_window(layout: EngramLayout, window_BW, pad_c: int) -> np.ndarray:
     return _hash_grams(layout, look_backs(np, np.asarray(window_BW, np.int64), layout.max_ngram, pad_c))
 
 
+def hash_token_window(layout: EngramLayout, token_map, pad_id: int, window_BW) -> np.ndarray:
+    """`hash_window` of raw token ids: window_BW int [B, max_ngram - 1 + S], -1 before each row's start, mapped
+    through token_map (raw -> compressed, checked; ids out of its range raise naming them); pad_id is the RAW
+    pad id. The ids of a step (`steps.engram_inputs`) and of the prefix cache's replay."""
+    token_map = validate_token_map(layout, token_map)
+    window = np.asarray(window_BW, np.int64)
+    _check_ids("tokens", window[window >= 0], token_map.size)
+    compressed = np.where(window < 0, -1, token_map[np.maximum(window, 0)])
+    return hash_window(layout, compressed, int(token_map[pad_id]))
+
+
 def look_backs(xp, window_BW, max_ngram: int, pad_c: int):
     """[B, S, max_ngram]: for each new token of a look-back window [B, max_ngram - 1 + S] (`hash_window`) the
     ids 0..max_ngram-1 positions back, pad_c where that lies before the row's start (once a look-back

@@ -295,12 +295,10 @@ def chain_keys(fp: str, tokens, block: int) -> list[str]:
 def replay_engram_ids(cfg, token_map, prompts, n_cached, tokens, counts):
     """Engram ids [B, R, L_engram, C] (None without Engram layers) of replayed tokens [B, R]: row b's tokens
     start at position n_cached[b] - counts[b] and look back into its prompt; every row hashed at once
-    (`engram_hash.hash_window`)."""
+    (`engram_hash.hash_token_window`)."""
     e = cfg.architecture.engram
     if not list(e.layers):
         return None
-    layout = model_lib.engram_layout(cfg)
-    token_map = engram_hash.validate_token_map(layout, model_lib.engram_token_map(cfg, token_map))
     look = e.max_ngram - 1
     tokens = np.asarray(tokens)
     window = np.full((len(prompts), look + tokens.shape[1]), -1, np.int64)
@@ -309,8 +307,9 @@ def replay_engram_ids(cfg, token_map, prompts, n_cached, tokens, counts):
         back = np.asarray(p)[max(0, start - look):start]
         window[row, look - len(back):look] = back
     window[:, look:] = tokens
-    compressed = np.where(window < 0, -1, token_map[np.maximum(window, 0)])
-    return jnp.asarray(engram_hash.hash_window(layout, compressed, int(token_map[e.pad_id])), jnp.int32)
+    ids = engram_hash.hash_token_window(model_lib.engram_layout(cfg), model_lib.engram_token_map(cfg, token_map),
+                                        e.pad_id, window)
+    return jnp.asarray(ids, jnp.int32)
 
 
 class PrefixCache:

@@ -177,12 +177,10 @@ def engram_inputs(cfg, recent_BL, tokens, counts, held, token_map=None):
     """Host-side Engram inputs of a step: (hash ids [B, S, L_engram, C] int32 on device, the new look-back
     [B, max_ngram-1]) for tokens [B, S] (row b: its first counts[b]) after held[b] tokens whose last ones are
     recent_BL (-1 before the start). A config without Engram layers gives (None, recent_BL). Every row is
-    hashed at once (`engram_hash.hash_window`), in int64 NumPy."""
+    hashed at once (`engram_hash.hash_token_window`), in int64 NumPy."""
     e = cfg.architecture.engram
     if not list(e.layers):
         return None, recent_BL
-    layout = model_lib.engram_layout(cfg)
-    token_map = engram_hash.validate_token_map(layout, model_lib.engram_token_map(cfg, token_map))
     look = e.max_ngram - 1
     tokens, held = np.asarray(tokens), np.asarray(held)
     if look == 0:
@@ -191,8 +189,8 @@ def engram_inputs(cfg, recent_BL, tokens, counts, held, token_map=None):
         before = held[:, None] - look + np.arange(look) < 0  # look-back positions before the row's start
         window = np.concatenate([np.where(before, -1, np.asarray(recent_BL)), tokens], axis=1)
     new_recent = window[np.arange(len(window))[:, None], np.asarray(counts)[:, None] + np.arange(look)]
-    compressed = np.where(window < 0, -1, token_map[np.maximum(window, 0)])
-    ids = engram_hash.hash_window(layout, compressed, int(token_map[e.pad_id]))
+    ids = engram_hash.hash_token_window(model_lib.engram_layout(cfg), model_lib.engram_token_map(cfg, token_map),
+                                        e.pad_id, window)
     return jnp.asarray(ids, jnp.int32), new_recent.astype(np.asarray(recent_BL).dtype)
 
 

@@ -361,3 +361,17 @@ def test_a_replays_ids_hash_rows_of_different_starts_at_once(full_layout):
         want = hash_ids(full_layout, token_map, 2, tokens[row:row + 1], start + np.arange(4),
                         history=np.asarray(p[max(0, start - 3):start], np.int64)[None])
         np.testing.assert_array_equal(np.asarray(ids[row:row + 1]), want, err_msg=f"row {row}")
+
+
+def test_a_window_of_raw_ids_is_checked_against_the_token_map(full_layout):
+    """`hash_token_window` (a step's and a replay's ids) maps raw ids through the token map and hashes them as
+    `hash_window` does the compressed ones; an id outside the map is refused naming it, not an IndexError."""
+    from dsv41.engram_hash import hash_token_window
+
+    token_map = np.arange(129_280) % 99_092
+    window = np.array([[-1, 5, 129_000, 7], [3, 4, 5, 6]])
+    got = hash_token_window(full_layout, token_map, 2, window)
+    compressed = np.where(window < 0, -1, token_map[np.maximum(window, 0)])
+    np.testing.assert_array_equal(got, hash_window(full_layout, compressed, int(token_map[2])))
+    with pytest.raises(ValueError, match=r"tokens: token id 129280: expected ids < 129280"):
+        hash_token_window(full_layout, token_map, 2, np.array([[-1, 5, 129_280, 7]]))

@@ -278,18 +278,17 @@ def experts_parallel(layout: ExpertLayout, x_ND, weights_Nk, idx_Nk, w1_EDI, w3_
         y = jax.lax.psum(y, reduce) if reduce else y
         return y.reshape(*shape[:-1], y.shape[-1])
 
-    on = spec_entry
     operands = (x_ND, weights_Nk, idx_Nk)
     if layout.seq_axes:
         for axes, size, what in ((layout.token_axes, rows[0], "rows"), (layout.seq_axes, rows[1], "tokens")):
             if size % math.prod(mesh.shape[a] for a in axes):
                 raise ConfigError(f"expert layout ({what})", size, f"expected a multiple of mesh axes {axes}")
         operands = tuple(a.reshape(*rows, a.shape[-1]) for a in operands)
-        spec = P(on(layout.token_axes), on(layout.seq_axes), None)
+        spec = P(spec_entry(layout.token_axes), spec_entry(layout.seq_axes), None)
     else:
-        spec = P(on(tokens), None)
-    up = P(on(layout.expert_axes), None, on(layout.tensor_axes))
-    down = P(on(layout.expert_axes), on(layout.tensor_axes), None)
+        spec = P(spec_entry(tokens), None)
+    up = P(spec_entry(layout.expert_axes), None, spec_entry(layout.tensor_axes))
+    down = P(spec_entry(layout.expert_axes), spec_entry(layout.tensor_axes), None)
     y = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, up, up, down), out_specs=spec)(
         *operands, w1_EDI, w3_EDI, w2_EID)
     return y.reshape(-1, y.shape[-1])[:n]
