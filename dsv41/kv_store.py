@@ -179,6 +179,12 @@ def quant_entries(entries, fmt: str):
     return quant.pack_fp4(vals), quant.to_bytes(scales)
 
 
+def quant_keys(keys):
+    """Indexer keys [..., dI] -> (packed MXFP4 bytes [..., dI/2], UE8M0 scale bytes [..., dI/32]), as stored."""
+    vals, scales = quant.quantize_mxfp4(keys)
+    return quant.pack_fp4(vals), quant.to_bytes(scales)
+
+
 def dequant_keys(packed_values, scale_bytes):
     """MXFP4 indexer keys (+ UE8M0 scale bytes) -> float32; the float cache's keys as they are."""
     if not packed(packed_values):

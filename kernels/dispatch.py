@@ -112,6 +112,24 @@ def sparse_attention_chunk(q_BSHK, window_values_BTK, window_scales_BTX, window_
         replicated=(7,))
 
 
+def sparse_attention_train(q_BSHK, window_BTK, window_ok_BST, entries_BNK, entry_bytes_BNK2, entry_scales_BNX,
+                           picks_BSk, sink_H, scale: float, *, mode: str = "auto", block_keys: int = 128, layout=None):
+    """The training forward's attention (`sparse_attention.sparse_attention_train`: the chunk kernel forward,
+    the reference's gradients) or, where `mode` says so or Triton cannot tile the shape, the reference."""
+    impl = resolve(mode, platform(layout))
+    if _attention_reference(impl, q_BSHK, block_keys, layout):
+        return sparse_attention.sparse_attention_train_reference(q_BSHK, window_BTK, window_ok_BST, entries_BNK,
+                                                                 picks_BSk, sink_H, scale)
+
+    def kernel(*args):
+        return _per_device(lambda *a: sparse_attention.sparse_attention(
+            *a, block_keys=block_keys, interpret=impl == "pallas_interpret", backend=platform(layout)), *args,
+            layout=layout, replicated=(7,))
+
+    return sparse_attention.sparse_attention_train(q_BSHK, window_BTK, window_ok_BST, entries_BNK, entry_bytes_BNK2,
+                                                   entry_scales_BNX, picks_BSk, sink_H, scale, kernel=kernel)
+
+
 def quantize_pack(x, fmt: str, *, mode: str = "auto"):
     """x [..., K] -> (value bytes, scale bytes) of `fmt`, by kernel or reference as `mode` says."""
     impl = resolve(mode)

@@ -290,7 +290,7 @@ def indexer_scores(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS
         outs = pl.pallas_call(
             kernel, grid_spec=grid_spec, out_shape=out_shape, interpret=interpret,
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-            cost_estimate=_cost_estimate(b, n_s * tile_s, t, j, d, n_s),
+            cost_estimate=_cost_estimate(b, n_s * tile_s, t, j, d, n_s), name="indexer_scores",
         )(needed.reshape(-1).astype(jnp.int32), *store_view(index_keys_BTh, index_scales_BTc), qe, qo, wbd, vis_col)
     else:
         kernel = functools.partial(_gpu_kernel, tile_s=tile_s, pool_block=pool_block)
@@ -305,7 +305,7 @@ def indexer_scores(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS
             out_specs=[pl.BlockSpec((None, tile_s, tile_t), lambda bi, si, ti: (bi, si, ti))]
             + ([pl.BlockSpec((None, tile_s, tile_t // pool_block), lambda bi, si, ti: (bi, si, ti))]
                if pool_block else []),
-            compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
+            compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2), name="indexer_scores",
         )(index_keys_BTh, index_scales_BTc, qe, qo, wbd, vis_col)
     scores = outs[0][:, :s]
     if not pool_block:

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from dsv41 import quant
 from dsv41.kernels import quant_pack as qp
 from dsv41.kv_store import dequant_entries, dequant_window, from_words, gather_rows, ring_positions
 from dsv41.nn.attend import attend_step
@@ -217,6 +218,47 @@ def sparse_attention_reference(q_BSHK, window_values_BTK, window_scales_BTX, win
     sel = dequant_entries(gather_rows(entries_BNK2, picks_BSk), gather_rows(entry_scales_BNX, picks_BSk))
     out = attend_step(q_BSHK, keys_w, window_ok_BST, sel.astype(q_BSHK.dtype), picks_BSk >= 0, sink_H, scale)
     return out.astype(q_BSHK.dtype)
+
+
+def sparse_attention_train(q_BSHK, window_BTK, window_ok_BST, entries_BNK, entry_bytes_BNK2, entry_scales_BNX,
+                           picks_BSk, sink_H, scale: float, *, kernel):
+    """The whole-sequence (training) forward's attention through the chunk kernel, with gradients.
+
+    window [B, Tw, K] and entries [B, N, K] are floats that hold the cache's values (`quant: qat`: FP8 UE8M0-32
+    window keys, FP4 E4M3-16 entries; `entry_bytes`/`entry_scales` are those entries as stored,
+    `kv_store.quant_entries`); window_ok [B, S, Tw], picks [B, S, k] (−1: skip), sink [H]. The forward packs the
+    window keys (exact: they are FP8 values already) and runs `kernel` (`sparse_attention` or its per-device
+    dispatch, same arguments); the backward is the reference's (`attend_step` over the floats, as the XLA path
+    differentiates it): the kernel has no backward of its own. Returns [B, S, H, K] in q's dtype."""
+
+    def reference(q, window, entries, sink, window_ok, picks):
+        return sparse_attention_train_reference(q, window, window_ok, entries, picks, sink, scale)
+
+    # Every array is an argument (a custom_vjp must not close over traced values); the integer and boolean ones
+    # take no cotangent.
+    @jax.custom_vjp
+    def attend(q, window, entries, sink, window_ok, picks, entry_bytes, entry_scales):
+        values, scales = quant.quantize_fp8_ue8m0_32(window)
+        return kernel(q, quant.to_bytes(values), quant.to_bytes(scales), window_ok, entry_bytes, entry_scales, picks,
+                      sink, scale)
+
+    def forward(*args):
+        return attend(*args), args[:6]
+
+    def backward(saved, cotangent):
+        return (*jax.vjp(lambda *floats: reference(*floats, *saved[4:]), *saved[:4])[1](cotangent),
+                None, None, None, None)
+
+    attend.defvjp(forward, backward)
+    return attend(q_BSHK, window_BTK, entries_BNK, sink_H, window_ok_BST, picks_BSk, entry_bytes_BNK2,
+                  entry_scales_BNX)
+
+
+def sparse_attention_train_reference(q_BSHK, window_BTK, window_ok_BST, entries_BNK, picks_BSk, sink_H, scale: float):
+    """What `sparse_attention_train` computes, over the floats: the picked entries gathered, `attend_step`."""
+    sel = gather_rows(entries_BNK, picks_BSk).astype(q_BSHK.dtype)
+    return attend_step(q_BSHK, window_BTK.astype(q_BSHK.dtype), window_ok_BST, sel, picks_BSk >= 0, sink_H,
+                       scale).astype(q_BSHK.dtype)
 
 
 def sparse_decode_attention_reference(q_BHK, window_values_BWK, window_scales_BWX, window_ok_BW, entries_BNK2,

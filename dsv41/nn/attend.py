@@ -29,7 +29,9 @@ class Handoff:
     (the whole-sequence form; the cached step's layers read them from the store instead).
     picks [B, S, k]: an index source's top-k entry ids (−1: none); selected [B, S, T]: the same as a mask
     (whole-sequence form). pool_ids [B, S, M]: the candidate source's pool as block ids, ascending then
-    −1 (cached step); pool [B, S, T]: the pool as an entry mask (whole-sequence form)."""
+    −1 (cached step); pool [B, S, T]: the pool as an entry mask (whole-sequence form). stored: the entries as
+    the cache stores them, (bytes [B, T, K/2], scale bytes [B, T, K/16]), where the whole-sequence forward's
+    attention kernel reads them (`Attention.training_kernel`)."""
 
     entries: jax.Array | None = None
     index_keys: jax.Array | None = None
@@ -37,6 +39,7 @@ class Handoff:
     selected: jax.Array | None = None
     pool_ids: jax.Array | None = None
     pool: jax.Array | None = None
+    stored: tuple | None = None
 
 
 jax.tree_util.register_dataclass(Handoff, data_fields=[f.name for f in dataclasses.fields(Handoff)],

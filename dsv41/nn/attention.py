@@ -152,16 +152,19 @@ class Attention(nnx.Module):
         out = attend_step(q, keys, mask, None, None, self.attn_sink[...], self.head_dim ** -0.5)
         return self.output(out, positions_BS), mine
 
-    def _entries(self, x_BSD):
-        """(entries [B, T, K], indexer keys [B, T, dI] or None) a Full layer compresses from the whole sequence
-        (recorded); (None, None) for a layer without a compressor."""
+    def _entries(self, x_BSD, stored: bool = False):
+        """(entries [B, T, K], indexer keys [B, T, dI] or None, stored or None) a Full layer compresses from the
+        whole sequence (recorded); Nones for a layer without a compressor. stored: the entries' bytes as the cache
+        stores them (`Handoff.stored`), when asked, packed from the values before their fake quantisation (packing the
+        fake-quantised FP4 values again is not exact: an E4M3 scale in its subnormal range can come out smaller)."""
         rec = self.record
         if not rec.stores_entries:
-            return None, None
+            return None, None, None
         cinv = np.asarray(self.compressed_inv_freq, np.float32)
         latent = self.compressor(x_BSD)  # [B, T, K] before RoPE
         entry_pos = ix.entry_positions(latent, rec.ratio)
         entries = apply_rope(latent, entry_pos, cinv)
+        packed_entries = kv_store.quant_entries(entries, self.main_kv) if stored else None
         if self.fake_quant:
             entries = quant.fake_quant(entries, self.main_kv)
         self.sow(nnx.Intermediate, "entries", entries)
@@ -169,13 +172,13 @@ class Attention(nnx.Module):
         if self.indexer is not None and self.indexer.wk is not None:
             index_keys = self.indexer.keys(latent, entry_pos, cinv, self.fake_quant)
             self.sow(nnx.Intermediate, "index_keys", index_keys)
-        return entries, index_keys
+        return entries, index_keys, packed_entries
 
     def _publish(self, x_BSD, qr_BSQ, positions_BS, published: dict, forced: dict | None = None) -> Handoff | None:
         rec = self.record
         given = (forced or {}).get("picks")
         cinv = np.asarray(self.compressed_inv_freq, np.float32)
-        entries, index_keys = self._entries(x_BSD)
+        entries, index_keys, _ = self._entries(x_BSD)
         if self.indexer is None:
             return Handoff(entries=entries, index_keys=index_keys) if entries is not None else None
         source = Handoff(entries=entries, index_keys=index_keys) if rec.stores_entries else published[rec.kv_source]
@@ -224,11 +227,20 @@ class Attention(nnx.Module):
         if seq is not None:
             keys, key_pos, key_ok, entries = (seq.whole(a) for a in (keys, key_pos, key_ok, entries))
 
+        # The chunk kernel reads the cache's formats: the FP8 window and FP4 entries that `quant: qat` trains on.
+        stored = seen[rec.kv_source].stored if rec.ratio else None
+        impl = self.attention_kernel() if picks is not None and stored is not None else None
+        if impl is not None:
+            entry_bytes, entry_scales = stored
+
         def attend(n, q_b, pos_b, picks_b):
             span = q_b.shape[1] + window
             keys_b, kpos_b, kok_b = (jax.lax.dynamic_slice_in_dim(a, n * q_b.shape[1], span, axis=1)
                                      for a in (keys, key_pos, key_ok))
             mask = kok_b[:, None, :] & window_mask(pos_b, kpos_b, window)
+            if impl is not None:
+                return dispatch.sparse_attention_train(q_b, keys_b, mask, entries, entry_bytes, entry_scales, picks_b,
+                                                       sink, scale, mode=impl, layout=self.policy.lowering.layout)
             if picks_b is not None:
                 sel = jax.vmap(lambda e, i: e[i])(entries, jnp.maximum(picks_b, 0))  # [B, Q, k, K]
                 return attend_step(q_b, keys_b, mask, sel, picks_b >= 0, sink, scale)
@@ -244,9 +256,9 @@ class Attention(nnx.Module):
         the candidate pool's block ids chosen per block of queries; the Handoff holds no [S, T] masks."""
         rec = self.record
         cinv = np.asarray(self.compressed_inv_freq, np.float32)
-        entries, index_keys = self._entries(x_BSD)
+        entries, index_keys, stored = self._entries(x_BSD, stored=self.attention_kernel() is not None)
         if self.indexer is None:
-            return Handoff(entries=entries, index_keys=index_keys) if entries is not None else None
+            return Handoff(entries=entries, index_keys=index_keys, stored=stored) if entries is not None else None
         keys = index_keys if rec.stores_entries else published[rec.kv_source].index_keys
         pool = published[rec.candidate_source].pool_ids if rec.candidate_source is not None else None
         if (forced or {}).get("picks") is not None:  # selection replay: the given choices, named as chosen ones
@@ -255,11 +267,12 @@ class Attention(nnx.Module):
         else:
             sg = jax.lax.stop_gradient  # the picks take no gradient (the indexer trains by its KL alone)
             qI, w = self.indexer.query(sg(x_BSD), sg(qr_BSQ), positions_BS, cinv, self.fake_quant)
-            picks, pool_ids = self.select_blocks(qI, w, positions_BS, sg(keys), pool)
+            # No tangent reaches the selection (its kernels have no derivative rule; nor need they one).
+            picks, pool_ids = self.select_blocks(sg(qI), sg(w), positions_BS, sg(keys), pool)
         self.sow(nnx.Intermediate, "picks", picks)
         if pool_ids is not None:
             self.sow(nnx.Intermediate, "pool_ids", pool_ids)
-        return Handoff(entries=entries, index_keys=index_keys, picks=picks, pool_ids=pool_ids)
+        return Handoff(entries=entries, index_keys=index_keys, picks=picks, pool_ids=pool_ids, stored=stored)
 
     def select_blocks(self, qI_BSJd, w_BSJ, positions_BS, keys_BTd, pool_ids_BSM=None):
         """(picks [B, S, k], candidate-pool block ids [B, S, M] or None) of an index source over the whole
@@ -276,6 +289,10 @@ class Attention(nnx.Module):
         if seq is not None:
             keys_BTd = seq.whole(keys_BTd)
         padded = jnp.pad(keys_BTd, [(0, 0), (0, -(-num // tile) * tile - num), (0, 0)])
+        impl = self.training_kernel()
+        if impl is not None:  # the kernels read the keys as the cache stores them (exact: they are MXFP4 already)
+            key_bytes, key_scales = kv_store.quant_keys(keys_BTd)
+            layout = self.policy.lowering.layout
 
         def select(n, q_b, w_b, pos_b, pool_b):
             visible = (pos_b + 1) // rec.ratio
@@ -284,6 +301,12 @@ class Attention(nnx.Module):
                 gathered = jax.vmap(lambda t, i: t[i])(keys_BTd, entry)  # [B, Q, P, dI]
                 scores = ix.lightning_scores_per_query(q_b, gathered, w_b, ok, self.indexer.unroll, group=1)
                 return ix.pool_top_k(scores, jnp.where(ok, entry, -1), k), None
+            if impl is not None:  # the prefill kernels: one pass over the visible tiles, as the cached step's
+                args = (q_b, w_b, key_bytes, key_scales, pos_b, rec.ratio)
+                if self.builds_pool:
+                    return dispatch.scores_and_pool(*args, top_k=k, max_blocks=self.pool_max_blocks, block=block,
+                                                    mode=impl, layout=layout)
+                return dispatch.indexer_top_k(*args, k, mode=impl, layout=layout), None
             if self.policy.lowering.unroll_layers:  # FLOP counting: static shapes, every entry scored
                 scores = ix.lightning_scores(q_b, keys_BTd, w_b, ix.visible_entries(pos_b, rec.ratio, num),
                                              self.indexer.unroll, group=1)
@@ -431,11 +454,11 @@ class Attention(nnx.Module):
         if not packed(store.leaves["entries"]):  # the float cache: the values themselves, no scales
             return store.write("entries", entries, entry, done).write("index_keys", keys, entry, done)
         vals, scales = kv_store.quant_entries(entries, self.main_kv)
-        kvals, kscales = quant.quantize_mxfp4(keys)
+        kvals, kscales = kv_store.quant_keys(keys)
         return (store.write("entries", vals, entry, done)
                 .write("entry_scales", scales, entry, done)
-                .write("index_keys", quant.pack_fp4(kvals), entry, done)
-                .write("index_scales", quant.to_bytes(kscales), entry, done))
+                .write("index_keys", kvals, entry, done)
+                .write("index_scales", kscales, entry, done))
 
     def _select_cached(self, x_BSD, qr_BSQ, positions_BS, published, store: LayerStore) -> Handoff:
         """An index source's Handoff for the new tokens: its picks (and the candidate pool's block ids, at the
@@ -515,6 +538,20 @@ class Attention(nnx.Module):
         picks, pool_out = ix.filled_top_k(tile_scores, positions_BS.shape, num, tile, jnp.max(visible_count_BS),
                                           self.top_k, pool)
         return Handoff(picks=picks, pool_ids=pool_out)
+
+    def training_kernel(self) -> str | None:
+        """The kernel implementation the whole-sequence (training) forward selects with, or None for its XLA path:
+        the Pallas kernels read the cache's formats, so they serve only where the forward's values are those
+        formats (`quant: qat`), one sequence lane at a time (no `Lowering.sequence`) and not for FLOP counting."""
+        impl = self.kernel_impl()
+        lowering = self.policy.lowering
+        if impl == "reference" or not self.fake_quant or lowering.sequence is not None or lowering.unroll_layers:
+            return None
+        return impl
+
+    def attention_kernel(self) -> str | None:
+        """`training_kernel` where the chunk kernel can read this layer's entries (FP4; it reads no FP8 entries)."""
+        return self.training_kernel() if self.main_kv == quant.FP4_E4M3_16 else None
 
     def kernel_impl(self) -> str:
         """What `runtime.kernels` selects on this backend: 'pallas', 'pallas_interpret' or 'reference'."""
