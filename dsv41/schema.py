@@ -94,7 +94,8 @@ _V41 = {
     # The dtype policy (dsv41.nn.policy) and the prefill schedule (DESIGN §3.5): "full" runs every
     # prompt token through every layer (exact); "ced" runs them through the encoder and the decoder's
     # KV projections, and only the last decoder_replay_tokens through the decoder.
-    # kernels (DESIGN §8, §11): auto = Pallas on TPU/GPU, the XLA reference on CPU. score_tile: the entries
+    # kernels (DESIGN §8, §11): auto = Pallas on TPU/GPU (the cached steps, and the training forward under qat),
+    # the XLA reference on CPU. score_tile: the entries
     # the cached steps' XLA indexer scores per loop trip, over the filled tiles only (DESIGN §6). query_block:
     # the whole-sequence forward (training) runs a longer sequence's attention in blocks of this many queries,
     # in memory linear in its length (0: every query at once, memory quadratic).

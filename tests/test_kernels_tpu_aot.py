@@ -58,6 +58,23 @@ _SCRIPT = textwrap.dedent("""
     report["sparse_decode_attention"] = compile_sharded(
         decode, ((B, H, K), jnp.bfloat16), ((B, W, K), u8), ((B, W, K // 32), u8), ((B, W), jnp.bool_),
         ((B, N, K // 2), u8), ((B, N, K // 16), u8), ((B, k), i32), ((1, H), f32))
+
+    # The training forward's attention (issue 22): the chunk kernel's forward and the reference's gradients, for
+    # 512 queries of a row against their window band (512 + 128 keys) and top-512 picks, differentiated.
+    S, Tw = 512, 512 + W
+
+    def train_attention(q, win, ok, ent, eb, es, picks, sink):
+        def loss(q, win, ent):
+            out = sa.sparse_attention_train(q, win, ok, ent, eb, es, picks, sink[0], K ** -0.5,
+                                            kernel=lambda *a: sa.sparse_attention(*a, backend="tpu"))
+            return jnp.sum(out.astype(f32))
+        dq, dwin, dent = jax.grad(loss, argnums=(0, 1, 2))(q, win, ent)
+        return dq.astype(f32) + jnp.sum(dwin) + jnp.sum(dent)
+
+    bf16 = jnp.bfloat16
+    report["sparse_attention_train"] = compile_sharded(
+        train_attention, ((B, S, H, K), bf16), ((B, Tw, K), bf16), ((B, S, Tw), jnp.bool_), ((B, N, K), bf16),
+        ((B, N, K // 2), u8), ((B, N, K // 16), u8), ((B, S, k), i32), ((1, H), f32))
     print("REPORT" + json.dumps(report))
 """)
 
@@ -70,7 +87,7 @@ def test_tpu_kernels_compile_ahead_of_time(topology):
     assert run.returncode == 0 and lines, run.stderr[-4000:]
     report = json.loads(lines[-1][len("REPORT"):])
     kernels = [name for name in report if name not in ("device_kind", "devices")]
-    assert len(kernels) == 7
+    assert len(kernels) == 8
     for name in kernels:
         stats = report[name]
         assert stats["argument_bytes"] > 0 and stats["output_bytes"] > 0, (name, stats)

@@ -18,7 +18,8 @@ grow with the context. Rows may hold different lengths and bring different numbe
 XLA reference paths (the Pallas kernels read the packed bytes). `__call__` is the same layer over a
 whole sequence with every key in view at once (the window and the selection as masks: the
 teacher-forced forward and training), through the same projections, compressor, indexer scoring,
-`attend_step` and output path.
+`attend_step` and output path; a long sequence's blocks select and attend through the same kernels as the
+cached step where its values are the stored formats (`training_kernel`).
 
 V4 (compat): `attention_v4.AttentionV4`, the same interface with its own compressed branch, and the
 per-head query RMSNorm V4 had (`architecture.q_head_norm`).
@@ -55,7 +56,7 @@ class Attention(nnx.Module):
         self.heads, self.head_dim, self.groups = h, k, a.o_groups
         self.window = cfg.kv_cache.swa_window_size
         self.fake_quant = cfg.quant == "qat"
-        self.kernels = cfg.runtime.kernels  # the cached step's Pallas kernels or XLA path (DESIGN §8)
+        self.kernels = cfg.runtime.kernels  # Pallas kernels or the XLA path (DESIGN §8; `training_kernel`)
         # V4's per-head query RMSNorm (unweighted); V4.1 dropped it (DESIGN §2).
         self.q_head_eps = a.norm_eps if a.q_head_norm else None
         # Static tables (tuples, not arrays: they are part of the module's structure, not its state).
