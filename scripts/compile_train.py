@@ -55,7 +55,9 @@ def compile_one(cfg, tc, mesh, batch: int, seq: int) -> dict:
                       for x in jax.tree.leaves(state))
     hbm = compile_report.HBM_BYTES.get(mesh.devices.flat[0].device_kind)
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    return {"seq": seq, "tokens_per_chip": batch * seq // mesh.devices.size,
+    # Pallas (Mosaic) kernels in the program: `runtime.kernels` puts the training forward's there under qat.
+    mosaic = compiled.as_text().count('custom_call_target="tpu_custom_call"')
+    return {"seq": seq, "tokens_per_chip": batch * seq // mesh.devices.size, "mosaic_calls": mosaic,
             "state_per_chip": state_bytes, "arguments": int(mem.argument_size_in_bytes),
             "temporaries": int(mem.temp_size_in_bytes), "total": int(total), "hbm": hbm,
             "fits": None if hbm is None else total <= hbm,
@@ -89,8 +91,8 @@ def main(argv=None) -> int:
                 continue
             print(f"S {seq:>7}: {r['tokens_per_chip']} tokens/chip; per chip: state {r['state_per_chip'] / GiB:.1f} GiB, "
                   f"arguments {r['arguments'] / GiB:.1f} GiB, temporaries {r['temporaries'] / GiB:.1f} GiB, total "
-                  f"{r['total'] / GiB:.1f} GiB of {r['hbm'] / GiB:.0f} GiB; lower {r['lower_s']} s, compile "
-                  f"{r['compile_s']} s", flush=True)
+                  f"{r['total'] / GiB:.1f} GiB of {r['hbm'] / GiB:.0f} GiB; {r['mosaic_calls']} Mosaic calls; lower "
+                  f"{r['lower_s']} s, compile {r['compile_s']} s", flush=True)
     if args.json:
         print(json.dumps({"config": args.config, "topology": args.topology, "mesh": args.mesh, "batch": args.batch,
                           "train": {k: getattr(tc, k) for k in ("remat", "kl_over")}, "rows": rows}))
