@@ -55,7 +55,8 @@ def compile_one(cfg, tc, mesh, batch: int, seq: int) -> dict:
                       for x in jax.tree.leaves(state))
     hbm = compile_report.HBM_BYTES.get(mesh.devices.flat[0].device_kind)
     total = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-    # Pallas (Mosaic) kernels in the program: `runtime.kernels` puts the training forward's there under qat.
+    # Mosaic kernels in the program: XLA:TPU's own, and under qat the training forward's Pallas kernels
+    # (`runtime.kernels`; compare with `--set runtime.kernels=reference`).
     mosaic = compiled.as_text().count('custom_call_target="tpu_custom_call"')
     return {"seq": seq, "tokens_per_chip": batch * seq // mesh.devices.size, "mosaic_calls": mosaic,
             "state_per_chip": state_bytes, "arguments": int(mem.argument_size_in_bytes),

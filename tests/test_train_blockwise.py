@@ -14,6 +14,7 @@ import dsv41
 from dsv41 import model as model_lib
 from dsv41 import train
 from dsv41.errors import ConfigError
+from trees import global_rel
 
 
 # 16 indexer heads: with passkey's 4, scores summed in another order flip a near-tie top-k pick in one of
@@ -31,12 +32,6 @@ def _configs(name, block, quant="none"):
 def _batch(cfg, b, s, seed=1):
     tok = np.asarray(jax.random.randint(jax.random.key(seed), (b, s + 1), 0, cfg.architecture.vocab_size))
     return {"inputs": tok[:, :-1], "targets": tok[:, 1:], "loss_mask": np.ones((b, s), np.float32)}
-
-
-def _global_rel(a_tree, b_tree):
-    a, b = jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)
-    num = np.sqrt(sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(a, b, strict=True)))
-    return num / np.sqrt(sum(float(jnp.sum(x ** 2)) for x in a))
 
 
 @pytest.mark.parametrize("name,seq,block", [("tiny", 100, 32), ("tiny_v4", 100, 32), ("passkey", 1100, 512)])
@@ -73,7 +68,7 @@ def test_blockwise_loss_and_gradients_equal_every_query_at_once(kl_over, remat):
     assert float(want["kl"]) > 1e-3  # the indexer's KL is part of what is compared
     for k in ("loss", "ce", "kl"):
         assert abs(float(got[k]) - float(want[k])) <= 1e-6 * abs(float(want[k])), k
-    assert _global_rel(want_g, got_g) <= 1e-4
+    assert global_rel(want_g, got_g) <= 1e-4
 
 
 @pytest.mark.slow

@@ -11,15 +11,10 @@ import pytest
 
 import dsv41
 from dsv41 import kv_store, quant, train
+from trees import global_rel
 
 # 16 indexer heads (the project's rule for comparing selections: with 4, ReLU scores tie at 0).
 OVERRIDES = ["quant=qat", "runtime.query_block=32", "csa2.indexer.query_heads=16"]
-
-
-def _global_rel(a_tree, b_tree):
-    a, b = jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)
-    num = np.sqrt(sum(float(jnp.sum((x - y) ** 2)) for x, y in zip(a, b, strict=True)))
-    return num / np.sqrt(sum(float(jnp.sum(x ** 2)) for x in a))
 
 
 @pytest.mark.parametrize("fmt", [quant.FP8_UE8M0_32, quant.FP4_E4M3_16, quant.MXFP4])
@@ -65,4 +60,4 @@ def test_a_training_step_through_the_kernels_equals_the_xla_path():
     assert float(want["kl"]) > 1e-3
     for k in ("loss", "ce", "kl"):
         assert abs(float(got[k]) - float(want[k])) <= 1e-6 * abs(float(want[k])), k
-    assert _global_rel(want_g, got_g) <= 1e-5
+    assert global_rel(want_g, got_g) <= 1e-5

@@ -257,7 +257,9 @@ class Attention(nnx.Module):
         the candidate pool's block ids chosen per block of queries; the Handoff holds no [S, T] masks."""
         rec = self.record
         cinv = np.asarray(self.compressed_inv_freq, np.float32)
-        entries, index_keys, stored = self._entries(x_BSD, stored=self.attention_kernel() is not None)
+        # The entries' bytes for the chunk kernel, where an index source will pick from them (a layer with an indexer).
+        entries, index_keys, stored = self._entries(
+            x_BSD, stored=self.indexer is not None and self.attention_kernel() is not None)
         if self.indexer is None:
             return Handoff(entries=entries, index_keys=index_keys, stored=stored) if entries is not None else None
         keys = index_keys if rec.stores_entries else published[rec.kv_source].index_keys
@@ -290,7 +292,7 @@ class Attention(nnx.Module):
         if seq is not None:
             keys_BTd = seq.whole(keys_BTd)
         padded = jnp.pad(keys_BTd, [(0, 0), (0, -(-num // tile) * tile - num), (0, 0)])
-        impl = self.training_kernel()
+        impl = self.training_kernel() if pool_ids_BSM is None else None  # a Reindex layer scores its pool on XLA
         if impl is not None:  # the kernels read the keys as the cache stores them (exact: they are MXFP4 already)
             key_bytes, key_scales = kv_store.quant_keys(keys_BTd)
             layout = self.policy.lowering.layout
@@ -541,9 +543,10 @@ class Attention(nnx.Module):
         return Handoff(picks=picks, pool_ids=pool_out)
 
     def training_kernel(self) -> str | None:
-        """The kernel implementation the whole-sequence (training) forward selects with, or None for its XLA path:
-        the Pallas kernels read the cache's formats, so they serve only where the forward's values are those
-        formats (`quant: qat`), one sequence lane at a time (no `Lowering.sequence`) and not for FLOP counting."""
+        """The kernel implementation the blockwise whole-sequence (training) forward — a sequence longer than
+        `query_block` — selects with, or None for its XLA path: the Pallas kernels read the cache's formats, so they
+        serve only where the forward's values are those formats (`quant: qat`), one sequence lane at a time (no
+        `Lowering.sequence`) and not for FLOP counting."""
         impl = self.kernel_impl()
         lowering = self.policy.lowering
         if impl == "reference" or not self.fake_quant or lowering.sequence is not None or lowering.unroll_layers:
