@@ -298,7 +298,7 @@ def _layer_kl_blocks(model, rows: list[dict], i: int, positions_BS, kl_over: str
             if chosen_b is None:
                 allowed = ix.visible_entries(pos_b, rec.ratio, entries.shape[1])
                 ent = lambda q_h: jnp.einsum("bqk,btk->bqt", q_h, entries, precision=hi)
-                scores = ix.lightning_scores(qI_b, keys, w_b, allowed, group=1)
+                scores = ix.lightning_scores_trained(qI_b, keys, w_b, allowed)
             else:
                 if kl_over == "selected":
                     ids, allowed = chosen_b, chosen_b >= 0
