@@ -274,7 +274,7 @@ def _layer_kl_blocks(model, rows: list[dict], i: int, positions_BS, kl_over: str
     keys = source.indexer.keys(latent, ix.entry_positions(latent, rec.ratio), cinv, attn.fake_quant)
     window, qb, scale = attn.window, attn.query_block, attn.head_dim ** -0.5
     seq = attn.policy.lowering.sequence  # sequence parallel: every lane reads the whole keys
-    win_keys, win_pos, win_ok = band_source(row["window_kv"], positions_BS, window, blocks_length(s, qb, seq),
+    win_keys, win_pos, win_ok = band_source(sg(row["window_kv"]), positions_BS, window, blocks_length(s, qb, seq),
                                             window_start)
     if seq is not None:
         win_keys, win_pos, win_ok, entries, keys = (seq.whole(a) for a in (win_keys, win_pos, win_ok, entries, keys))
