@@ -118,8 +118,8 @@ def lightning_scores_trained(q_BSJd, keys_BTd, w_BSJ, visible_BST):
     dw_h = c·Σ_t g·relu(s), ds = c·w_h·g·[s > 0], dq_h = ds · K, dK += ds^T · q_h (c = J^-½·dI^-½). XLA:CPU's
     own derivative of the head loop sums dw_h with a slow reduce fusion and copies each head's [S, T] cotangent
     transposed for dK: one block of 512 queries against 16,384 keys, forward and backward, 382 → 209 ms on
-    this 2-core machine (the same gradients to 2e-7 of their largest); the passkey model's dense warm-up KL at
-    16K tokens, 14.7 → 11.7 s (docs/training_memory.md)."""
+    this 2-core machine (the same gradients to 2e-7 of their largest); the passkey model's dense warm-up KL alone
+    at 16K tokens, 14.7 → 11.7 s, though the whole train step moved within its spread (docs/training_memory.md)."""
     return lightning_scores(q_BSJd, keys_BTd, w_BSJ, visible_BST, group=1)
 
 
@@ -128,12 +128,7 @@ def _trained_fwd(q_BSJd, keys_BTd, w_BSJ, visible_BST):
 
 
 def _trained_bwd(res, g_BST):
-    return (*lightning_scores_vjp(*res, g_BST), None)
-
-
-def lightning_scores_vjp(q_BSJd, keys_BTd, w_BSJ, visible_BST, g_BST):
-    """(dq [B, S, J, d], dkeys [B, T, d], dw [B, S, J]) of `lightning_scores` for the cotangent g [B, S, T] of its
-    scores, head by head (`lightning_scores_trained`)."""
+    q_BSJd, keys_BTd, w_BSJ, visible_BST = res
     heads, head_dim = q_BSJd.shape[-2:]
     c = heads ** -0.5 * head_dim ** -0.5
     hi = jax.lax.Precision.HIGHEST
@@ -153,7 +148,7 @@ def lightning_scores_vjp(q_BSJd, keys_BTd, w_BSJ, visible_BST, g_BST):
         return dq, dk, jax.lax.dynamic_update_index_in_dim(dw, dw_h, h, axis=2)
 
     dq, dk, dw = jax.lax.fori_loop(0, heads, head, (jnp.zeros_like(q), jnp.zeros_like(keys), jnp.zeros_like(w)))
-    return dq.astype(q_BSJd.dtype), dk.astype(keys_BTd.dtype), dw.astype(w_BSJ.dtype)
+    return dq.astype(q_BSJd.dtype), dk.astype(keys_BTd.dtype), dw.astype(w_BSJ.dtype), None
 
 
 lightning_scores_trained.defvjp(_trained_fwd, _trained_bwd)
