@@ -2,11 +2,17 @@
 
 | mode               | what runs                                                            |
 |--------------------|----------------------------------------------------------------------|
-| `auto`             | the Pallas kernel on TPU and GPU, the plain-JAX reference on CPU     |
+| `auto`             | the Pallas kernel on TPU (GPU: the indexer's only), the reference on CPU |
 | `pallas`           | the Pallas kernel (Mosaic on TPU, Triton on GPU; CPU has no lowering) |
 | `pallas_interpret` | the Pallas kernel in interpret mode, on any backend (CPU tests)      |
 | `reference`        | the plain-JAX reference                                              |
 Every choice gives the same numbers: the quantisation bit for bit, the attention to float rounding.
+
+On a GPU `auto` runs only the kernels seen compiling and running on one (an H200 with jax 0.11.2, 2026-12-04,
+`tests/test_kernels_device.py` and `scripts/bench_kernels.py`): the indexer's. There the sparse attention's
+Triton body asked for 384 KB of shared memory at V4.1's widths (64 heads × 512, 128-key tiles; the H200 has
+227 KB) and the quantisers used `lax.round`, which Pallas' Triton lowering lacks, and a [512, 256] pair matrix
+(256 KB of shared memory) for the FP4 nibbles. `pallas` still runs them on a GPU.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from dsv41.kernels import candidate_pool, indexer_scores, quant_pack, sparse_att
 
 MODES = ("auto", "pallas", "pallas_interpret", "reference")
 _KERNEL_BACKENDS = ("tpu", "gpu")
+KINDS = ("indexer", "attention", "quant")
+_GPU_AUTO = ("indexer",)  # the kinds `auto` runs as kernels on a GPU (module doc)
 
 
 def platform(layout=None) -> str:
@@ -28,14 +36,17 @@ def platform(layout=None) -> str:
     return layout.mesh.devices.flat[0].platform if layout is not None else jax.default_backend()
 
 
-def resolve(mode: str, backend: str | None = None) -> str:
-    """The implementation `mode` selects on `backend` (default: `platform()`): 'pallas', 'pallas_interpret'
-    or 'reference'."""
+def resolve(mode: str, backend: str | None = None, kind: str = "indexer") -> str:
+    """The implementation `mode` selects on `backend` (default: `platform()`) for a kernel of `kind` (one of
+    `KINDS`): 'pallas', 'pallas_interpret' or 'reference'."""
     if mode not in MODES:
         raise ValueError(f"runtime.kernels={mode!r}: expected one of {list(MODES)}")
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}: expected one of {list(KINDS)}")
     backend = backend or platform()
     if mode == "auto":
-        return "pallas" if backend in _KERNEL_BACKENDS else "reference"
+        on = backend == "tpu" or (backend == "gpu" and kind in _GPU_AUTO)
+        return "pallas" if on else "reference"
     if mode == "pallas" and backend not in _KERNEL_BACKENDS:
         raise ValueError(f"runtime.kernels='pallas' on backend {backend!r}: Pallas kernels compile for "
                          f"{list(_KERNEL_BACKENDS)}; use 'pallas_interpret' or 'reference' (or 'auto')")
@@ -90,7 +101,7 @@ def sparse_decode_attention(q_BHK, window_values_BWK, window_scales_BWX, window_
     """`sparse_attention.sparse_decode_attention` or its reference, as `mode` says (same arguments)."""
     args = (q_BHK, window_values_BWK, window_scales_BWX, window_ok_BW, entries_BNK2, entry_scales_BNX, picks_Bk,
             sink_H, scale)
-    impl = resolve(mode, platform(layout))
+    impl = resolve(mode, platform(layout), "attention")
     if _attention_reference(impl, q_BHK, block_keys, layout):
         return sparse_attention.sparse_decode_attention_reference(*args)
     return _per_device(lambda *a: sparse_attention.sparse_decode_attention(
@@ -104,7 +115,7 @@ def sparse_attention_chunk(q_BSHK, window_values_BTK, window_scales_BTX, window_
     """`sparse_attention.sparse_attention` (S queries a row) or its reference, as `mode` says."""
     args = (q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2, entry_scales_BNX, picks_BSk,
             sink_H, scale)
-    impl = resolve(mode, platform(layout))
+    impl = resolve(mode, platform(layout), "attention")
     if _attention_reference(impl, q_BSHK, block_keys, layout):
         return sparse_attention.sparse_attention_reference(*args)
     return _per_device(lambda *a: sparse_attention.sparse_attention(
@@ -116,7 +127,7 @@ def sparse_attention_train(q_BSHK, window_BTK, window_ok_BST, entries_BNK, entry
                            picks_BSk, sink_H, scale: float, *, mode: str = "auto", block_keys: int = 128, layout=None):
     """The training forward's attention (`sparse_attention.sparse_attention_train`: the chunk kernel forward,
     the reference's gradients) or, where `mode` says so or Triton cannot tile the shape, the reference."""
-    impl = resolve(mode, platform(layout))
+    impl = resolve(mode, platform(layout), "attention")
     if _attention_reference(impl, q_BSHK, block_keys, layout):
         return sparse_attention.sparse_attention_train_reference(q_BSHK, window_BTK, window_ok_BST, entries_BNK,
                                                                  picks_BSk, sink_H, scale)
@@ -132,7 +143,7 @@ def sparse_attention_train(q_BSHK, window_BTK, window_ok_BST, entries_BNK, entry
 
 def quantize_pack(x, fmt: str, *, mode: str = "auto"):
     """x [..., K] -> (value bytes, scale bytes) of `fmt`, by kernel or reference as `mode` says."""
-    impl = resolve(mode)
+    impl = resolve(mode, kind="quant")
     if impl == "reference":
         return quant_pack.quantize_pack_reference(x, fmt)
     return quant_pack.quantize_pack(x, fmt, interpret=impl == "pallas_interpret")
@@ -140,7 +151,7 @@ def quantize_pack(x, fmt: str, *, mode: str = "auto"):
 
 def unpack_dequantize(values, scales, fmt: str, *, mode: str = "auto"):
     """(value bytes, scale bytes) of `fmt` -> float32 [..., K], by kernel or reference as `mode` says."""
-    impl = resolve(mode)
+    impl = resolve(mode, kind="quant")
     if impl == "reference":
         return quant_pack.unpack_dequantize_reference(values, scales, fmt)
     return quant_pack.unpack_dequantize(values, scales, fmt, interpret=impl == "pallas_interpret")

@@ -22,7 +22,9 @@ E4M3/E2M1 ties. Instead
 One kernel body serves interpret mode (CPU tests), Mosaic TPU and Triton GPU: the ops it uses (int32 bit
 operations, lane-splitting reshapes for the 16/32-element blocks, 0/1 matmuls that move the nibble pairs)
 lower on all three;
-the TPU AOT test and the GPU lowering check in the tests prove it for the compilers they reach.
+the TPU AOT test and the GPU lowering check in the tests prove it for the compilers they reach. On a GPU a
+tile is worked 128 columns at a time (`_columns`): a whole K = 512 row's [512, 256] pair matrix asked Triton
+for 256 KB of shared memory on an H200, which has 227 KB.
 Rows are tiled `block_rows` at a time (a multiple of 32: Mosaic tiles 8-bit arrays 32 rows deep).
 """
 
@@ -77,6 +79,15 @@ def decode_ue8m0(code):
     return _f32(code << 23)
 
 
+def _round_half_even(y):
+    """int32 round-to-nearest-even of float32 0 <= y < 2^23, by exact comparisons of the fraction (Pallas' Triton
+    lowering has no `lax.round`; adding and removing 2^23 is exact only where nothing reassociates it)."""
+    whole = y.astype(jnp.int32)                     # truncation: the floor of y >= 0
+    frac = y - whole.astype(jnp.float32)            # exact: whole <= y < whole + 1
+    up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
+    return whole + up.astype(jnp.int32)
+
+
 def _encode_e4m3(v):
     """float32 v, |v| <= 448 -> int32 float8_e4m3fn byte, round to nearest even (signed zeros kept)."""
     bits = _bits(v)
@@ -84,7 +95,7 @@ def _encode_e4m3(v):
     # Round the 23-bit mantissa to 3 bits with the carry running into the exponent; rebias 127 -> 7.
     normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
     a = _f32(mag)
-    sub = lax.round(a * 2.0**9, lax.RoundingMethod.TO_NEAREST_EVEN).astype(jnp.int32)
+    sub = _round_half_even(a * 2.0**9)
     code = jnp.where(a < _E4M3_MIN_NORMAL, sub, normal)
     return code | ((bits >> 31) & 1) << 7
 
@@ -200,16 +211,36 @@ _DEQUANTIZE_TILE = {quant.FP4_E4M3_16: dequantize_fp4_e4m3_16_tile, quant.MXFP4:
                     quant.FP8_UE8M0_32: dequantize_fp8_tile}
 
 
-def _quantize_kernel(x_ref, values_ref, scales_ref, *, fmt):
-    codes, scale_bytes = _QUANTIZE_TILE[fmt](x_ref[...].astype(jnp.float32))
-    values_ref[...] = _pack_nibbles(codes) if _PACKED[fmt] else codes.astype(jnp.uint8)
-    scales_ref[...] = scale_bytes.astype(jnp.uint8)
+def _column_slices(fmt, k: int, cols: int):
+    """(x, values, scales) column slices of each `cols`-wide step: the blocks and nibble pairs are local to
+    a step, so a tile can be quantised a few columns at a time (the GPU's shared memory holds a [cols, cols/2]
+    pair matrix, not [K, K/2]: 256 KB at K = 512)."""
+    per = 2 if _PACKED[fmt] else 1
+    block = quant.BLOCK[fmt]
+    return [(pl.ds(c, cols), pl.ds(c // per, cols // per), pl.ds(c // block, cols // block))
+            for c in range(0, k, cols)]
 
 
-def _dequantize_kernel(values_ref, scales_ref, out_ref, *, fmt):
-    v = values_ref[...]
-    codes = unpack_nibbles(v) if _PACKED[fmt] else v.astype(jnp.int32)
-    out_ref[...] = _DEQUANTIZE_TILE[fmt](codes, scales_ref[...].astype(jnp.int32))
+def _quantize_kernel(x_ref, values_ref, scales_ref, *, fmt, cols):
+    for xs, vs, ss in _column_slices(fmt, x_ref.shape[1], cols):
+        codes, scale_bytes = _QUANTIZE_TILE[fmt](x_ref[:, xs].astype(jnp.float32))
+        values_ref[:, vs] = _pack_nibbles(codes) if _PACKED[fmt] else codes.astype(jnp.uint8)
+        scales_ref[:, ss] = scale_bytes.astype(jnp.uint8)
+
+
+def _dequantize_kernel(values_ref, scales_ref, out_ref, *, fmt, cols):
+    for xs, vs, ss in _column_slices(fmt, out_ref.shape[1], cols):
+        v = values_ref[:, vs]
+        codes = unpack_nibbles(v) if _PACKED[fmt] else v.astype(jnp.int32)
+        out_ref[:, xs] = _DEQUANTIZE_TILE[fmt](codes, scales_ref[:, ss].astype(jnp.int32))
+
+
+# Columns per step on a GPU (a whole row elsewhere: TPU lanes take the tile whole).
+_GPU_COLUMNS = 128
+
+
+def _columns(backend: str, k: int) -> int:
+    return _GPU_COLUMNS if backend == "gpu" and k > _GPU_COLUMNS and k % _GPU_COLUMNS == 0 else k
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -251,13 +282,14 @@ def quantize_pack(x, fmt: str, *, block_rows: int = 256, interpret: bool = False
     rows, padded = _row_tiling(n, block_rows)
     x_NK = jnp.pad(x.reshape(n, k), [(0, padded - n), (0, 0)])
     kv = k // 2 if _PACKED[fmt] else k
+    backend = backend or jax.default_backend()
     values, scales = pl.pallas_call(
-        functools.partial(_quantize_kernel, fmt=fmt),
+        functools.partial(_quantize_kernel, fmt=fmt, cols=_columns(backend, k)),
         out_shape=(jax.ShapeDtypeStruct((padded, kv), jnp.uint8), jax.ShapeDtypeStruct((padded, k // block), jnp.uint8)),
         grid=(padded // rows,),
         in_specs=[pl.BlockSpec((rows, k), lambda i: (i, 0))],
         out_specs=(pl.BlockSpec((rows, kv), lambda i: (i, 0)), pl.BlockSpec((rows, k // block), lambda i: (i, 0))),
-        compiler_params=None if interpret else _compiler_params(backend or jax.default_backend(), 1),
+        compiler_params=None if interpret else _compiler_params(backend, 1),
         interpret=interpret,
         # Tens of integer ops an element, the pair matmul for FP4; what XLA schedules around the call.
         cost_estimate=pl.CostEstimate(flops=(40 + (k if _PACKED[fmt] else 0)) * padded * k, transcendentals=0,
@@ -284,13 +316,14 @@ def unpack_dequantize(values, scales, fmt: str, *, block_rows: int = 256, interp
     rows, padded = _row_tiling(n, block_rows)
     v_NV = jnp.pad(values.reshape(n, kv), [(0, padded - n), (0, 0)])
     s_NS = jnp.pad(scales.reshape(n, k // block), [(0, padded - n), (0, 0)])
+    backend = backend or jax.default_backend()
     out = pl.pallas_call(
-        functools.partial(_dequantize_kernel, fmt=fmt),
+        functools.partial(_dequantize_kernel, fmt=fmt, cols=_columns(backend, k)),
         out_shape=jax.ShapeDtypeStruct((padded, k), jnp.float32),
         grid=(padded // rows,),
         in_specs=[pl.BlockSpec((rows, kv), lambda i: (i, 0)), pl.BlockSpec((rows, k // block), lambda i: (i, 0))],
         out_specs=pl.BlockSpec((rows, k), lambda i: (i, 0)),
-        compiler_params=None if interpret else _compiler_params(backend or jax.default_backend(), 1),
+        compiler_params=None if interpret else _compiler_params(backend, 1),
         interpret=interpret,
         cost_estimate=pl.CostEstimate(flops=(20 + (2 * k if _PACKED[fmt] else 0)) * padded * k, transcendentals=0,
                                       bytes_accessed=padded * (4 * k + kv + k // block)),

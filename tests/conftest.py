@@ -130,6 +130,14 @@ def run_on_devices(script: str, mode: str, devices: int = 8, xla_flags: str = FA
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def kernels_mode() -> str:
+    """`runtime.kernels` for the tests that run the Pallas kernels against the XLA path: compiled on a GPU or
+    TPU (`JAX_PLATFORMS=cuda pytest ...`, see tests/test_kernels_device.py), interpret mode on the CPU."""
+    import jax
+
+    return "pallas" if jax.default_backend() in ("gpu", "tpu") else "pallas_interpret"
+
+
 def load_port_case(case: str):
     """(vectors, config, params, Engram token map or None) of the V4.1 port's case A or B."""
     import numpy as np

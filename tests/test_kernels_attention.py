@@ -78,6 +78,12 @@ def test_prefill_chunk_matches_reference():
 def test_dispatch_modes():
     assert dispatch.resolve("auto", "cpu") == "reference"
     assert dispatch.resolve("auto", "tpu") == "pallas" and dispatch.resolve("auto", "gpu") == "pallas"
+    # On a GPU `auto` runs only the indexer's kernels (dispatch's module doc): the others failed on an H200.
+    for kind, want in [("indexer", "pallas"), ("attention", "reference"), ("quant", "reference")]:
+        assert dispatch.resolve("auto", "gpu", kind) == want and dispatch.resolve("auto", "tpu", kind) == "pallas"
+        assert dispatch.resolve("pallas", "gpu", kind) == "pallas"
+    with pytest.raises(ValueError, match="kind='mlp'"):
+        dispatch.resolve("auto", "gpu", "mlp")
     assert dispatch.resolve("pallas_interpret", "cpu") == "pallas_interpret"
     with pytest.raises(ValueError, match=r"runtime.kernels='triton'.*'auto', 'pallas', 'pallas_interpret', 'reference'"):
         dispatch.resolve("triton")

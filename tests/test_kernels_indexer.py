@@ -27,18 +27,18 @@ SCORE_RTOL, TIE_RTOL = 1e-6, 1e-5
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
 
 
-def packed_store(rng, b: int, t: int):
+def packed_store(rng, b: int, t: int, d_i: int = D_I):
     """(uint8 keys [B, T, dI/2], uint8 scales [B, T, dI/32]): random bytes are valid MXFP4 keys (every
     nibble is an E2M1 code); scale bytes 124..130 are 2^-3..2^3."""
-    keys = rng.integers(0, 256, (b, t, D_I // 2), dtype=np.uint8)
-    return jnp.asarray(keys), jnp.asarray(rng.integers(124, 131, (b, t, D_I // 32), dtype=np.uint8))
+    keys = rng.integers(0, 256, (b, t, d_i // 2), dtype=np.uint8)
+    return jnp.asarray(keys), jnp.asarray(rng.integers(124, 131, (b, t, d_i // 32), dtype=np.uint8))
 
 
-def queries(rng, b: int, s: int, j: int, dtype=jnp.float32):
+def queries(rng, b: int, s: int, j: int, dtype=jnp.float32, d_i: int = D_I):
     """An FP4 query as the model's fake-quant makes it (E2M1 values × 2^k per 32), and head weights."""
-    values = rng.choice(E2M1, (b, s, j, D_I // 32, 32)) * rng.choice([-1, 1], (b, s, j, D_I // 32, 32))
-    q = values * np.exp2(rng.integers(-2, 3, (b, s, j, D_I // 32, 1)))
-    return jnp.asarray(q.reshape(b, s, j, D_I), dtype), jnp.asarray(rng.standard_normal((b, s, j)), jnp.float32)
+    values = rng.choice(E2M1, (b, s, j, d_i // 32, 32)) * rng.choice([-1, 1], (b, s, j, d_i // 32, 32))
+    q = values * np.exp2(rng.integers(-2, 3, (b, s, j, d_i // 32, 1)))
+    return jnp.asarray(q.reshape(b, s, j, d_i), dtype), jnp.asarray(rng.standard_normal((b, s, j)), jnp.float32)
 
 
 def assert_scores_close(got, want):

@@ -1,6 +1,7 @@
 """The cached prefill / decode steps with `runtime.kernels = pallas_interpret` (the Pallas kernels in
-interpret mode: sparse attention over the stored bytes, indexer scoring, the candidate pool and the
-Reindex pool scoring) against the same steps on the XLA reference path, on the port's case A weights.
+interpret mode, or compiled, `pallas`, on a GPU or TPU: sparse attention over the stored bytes, indexer
+scoring, the candidate pool and the Reindex pool scoring) against the same steps on the XLA reference path,
+on the port's case A weights.
 
 Tolerance: the kernels accumulate the softmax online, tile by tile, and the indexer scores in another
 order, so logits differ by float32 rounding: 1e-5 absolute on logits of std ~1 (reached: ~1e-6)."""
@@ -14,7 +15,7 @@ import dsv41
 from dsv41 import config as config_lib
 from dsv41 import cache as cache_lib
 from dsv41 import steps
-from conftest import load_port_case
+from conftest import kernels_mode, load_port_case
 
 TOL = 1e-5
 
@@ -27,7 +28,7 @@ def with_kernels(cfg, mode):
 def test_prefill_chunk_and_decode_with_kernels_equal_the_reference():
     d, cfg, params, token_map = load_port_case("A")
     ids = d["input_ids"]
-    kcfg = with_kernels(cfg, "pallas_interpret")
+    kcfg = with_kernels(cfg, kernels_mode())
     ref = dsv41.init_cache(cfg, 1, 256)
     _, ref = steps.prefill(params, cfg, ref, ids[:, :180], token_map=token_map)
     ker = jax.tree.map(jnp.copy, ref)

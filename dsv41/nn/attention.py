@@ -398,12 +398,13 @@ class Attention(nnx.Module):
                 entries = dequant_entries(store.get("entries"), store.get("entry_scales")).astype(kv.dtype)
                 shared, picks = (entries, ix.visible_entries(positions_BS, rec.ratio, entries.shape[1])), None
             # The attention kernel reads FP4 entries; FP8 entries take the gathered reference path.
-            if picks is not None and (not quantised or self.kernel_impl() == "reference" or banded
+            if picks is not None and (not quantised or self.kernel_impl("attention") == "reference" or banded
                                       or self.main_kv != quant.FP4_E4M3_16):
                 sel = dequant_entries(store.gather("entries", picks), store.gather("entry_scales", picks))
                 sel, sel_ok = sel.astype(kv.dtype), picks >= 0
         with jax.named_scope("attend"):
-            if sel is not None or shared is not None or not quantised or self.kernel_impl() == "reference" or banded:
+            if (sel is not None or shared is not None or not quantised or self.kernel_impl("attention") == "reference"
+                    or banded):
                 out = attend_step(q, keys_w, mask_w, sel, sel_ok, self.attn_sink[...], self.head_dim ** -0.5, shared)
             else:  # the Pallas kernel reads the window's bytes themselves (above) and the picked entries
                 out = self._attend_kernel(q, win_vals, win_scales, mask_w, picks, stores)
@@ -546,20 +547,26 @@ class Attention(nnx.Module):
         """The kernel implementation the blockwise whole-sequence (training) forward — a sequence longer than
         `query_block` — selects with, or None for its XLA path: the Pallas kernels read the cache's formats, so they
         serve only where the forward's values are those formats (`quant: qat`), one sequence lane at a time (no
-        `Lowering.sequence`) and not for FLOP counting."""
-        impl = self.kernel_impl()
+        `Lowering.sequence`) and not for FLOP counting. This is the indexer kernels'; `attention_kernel` the chunk
+        kernel's."""
+        return self._training_kernel("indexer")
+
+    def _training_kernel(self, kind: str) -> str | None:
+        impl = self.kernel_impl(kind)
         lowering = self.policy.lowering
         if impl == "reference" or not self.fake_quant or lowering.sequence is not None or lowering.unroll_layers:
             return None
         return impl
 
     def attention_kernel(self) -> str | None:
-        """`training_kernel` where the chunk kernel can read this layer's entries (FP4; it reads no FP8 entries)."""
-        return self.training_kernel() if self.main_kv == quant.FP4_E4M3_16 else None
+        """`training_kernel` for the chunk kernel, where it can read this layer's entries (FP4; it reads no FP8
+        entries)."""
+        return self._training_kernel("attention") if self.main_kv == quant.FP4_E4M3_16 else None
 
-    def kernel_impl(self) -> str:
-        """What `runtime.kernels` selects on this backend: 'pallas', 'pallas_interpret' or 'reference'."""
-        return dispatch.resolve(self.kernels, dispatch.platform(self.policy.lowering.layout))
+    def kernel_impl(self, kind: str = "indexer") -> str:
+        """What `runtime.kernels` selects on this backend for the kernels of `kind` (`dispatch.KINDS`): 'pallas',
+        'pallas_interpret' or 'reference'."""
+        return dispatch.resolve(self.kernels, dispatch.platform(self.policy.lowering.layout), kind)
 
     def _attend_kernel(self, q_BSHK, values_BTK, scales_BTX, mask_w, picks_BSk, stores):
         """`attend_step` through the sparse-attention kernel: the window keys as stored bytes (values and scales
@@ -573,5 +580,6 @@ class Attention(nnx.Module):
             store = stores[self.record.kv_source]
             entries, entry_scales = store.get("entries"), store.get("entry_scales")  # the kernel reads words too
         return dispatch.sparse_attention_chunk(q_BSHK, values_BTK, scales_BTX, mask_w, entries, entry_scales, picks_BSk,
-                                               self.attn_sink[...], self.head_dim ** -0.5, mode=self.kernel_impl(),
+                                               self.attn_sink[...], self.head_dim ** -0.5,
+                                               mode=self.kernel_impl("attention"),
                                                layout=self.policy.lowering.layout)

@@ -52,7 +52,7 @@ class AttentionV4(Attention):
     def decode_window(self, values, scales):
         return self.window_record.decode(values)
 
-    def kernel_impl(self) -> str:
+    def kernel_impl(self, kind: str = "indexer") -> str:
         """The XLA path: the Pallas kernels read V4.1's stored formats, not V4's records."""
         return "reference"
 
