@@ -59,9 +59,12 @@ KL_PARTS = 8  # the dense warm-up KL's causal parts (`_layer_kl_blocks`)
 class TrainConfig:
     """Optimiser and loss settings (the model itself comes from the dsv41 config).
 
-    kl_over: "selectable" — the KL runs over every entry the layer may select from (visible, and in
-    the candidate pool for Reindex layers), V3.2's dense warm-up; "selected" — over the top-k the layer
-    actually attends, V3.2's sparse stage.
+    kl_over: "selected" (the default) — the KL runs over the top-k each layer attends: V3.2's sparse stage, what
+    continued training of a model whose indexer is trained runs (the shipped V4.1 and passkey weights), the main
+    model and the indexer training together; "selectable" — over every entry the layer may select from (visible,
+    and in the candidate pool for Reindex layers): V3.2's dense warm-up, which trains a fresh indexer while the
+    main model stays frozen (`kl_over="selectable", freeze_main=True`). The dense KL's arithmetic grows as S·T
+    (`_layer_kl_blocks`), the sparse one's as S·k.
     """
     # The passkey model (configs/passkey.json, S 96, batch 8, dense selection) reached held-out exact
     # match 1.0 at 1e-3 by step 750 on answers alone (600 with the filler at loss weight 0.2); at 3e-3
@@ -78,7 +81,7 @@ class TrainConfig:
     clip_norm: float = 1.0
     grad_accum: int = 1
     indexer_kl_weight: float = 1.0
-    kl_over: str = "selectable"
+    kl_over: str = "selected"
     balance_rate: float = 1e-3  # γ of the bias update (DeepSeek-V3 uses 1e-3)
     remat: str = "none"
     freeze_main: bool = False  # V3.2's indexer warm-up: only the indexer trains, on the KL alone

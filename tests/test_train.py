@@ -390,7 +390,8 @@ def test_balance_bias_moves_toward_balance(cfg):
 
 @pytest.mark.slow
 def test_indexer_kl_decreases_when_only_the_indexer_trains(cfg):
-    tc = train.TrainConfig(learning_rate=1e-2, warmup_steps=0, total_steps=20, freeze_main=True)
+    """V3.2's dense warm-up: only the indexer trains, on the KL over every selectable entry."""
+    tc = train.TrainConfig(learning_rate=1e-2, warmup_steps=0, total_steps=20, freeze_main=True, kl_over="selectable")
     state0 = train.init_state(cfg, tc, jax.random.key(3))
     state, kls = state0, []
     step = train.train_step_for(cfg, tc)

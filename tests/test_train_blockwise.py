@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import dsv41
 from dsv41 import model as model_lib
-from dsv41 import train
+from dsv41 import selections, train
 from dsv41.errors import ConfigError
 from trees import global_rel
 
@@ -34,23 +35,52 @@ def _batch(cfg, b, s, seed=1):
     return {"inputs": tok[:, :-1], "targets": tok[:, 1:], "loss_mask": np.ones((b, s), np.float32)}
 
 
+def _set_differences(got, want):
+    """[(row, query)] whose index sets differ, each checked to differ by one entry swapped for another."""
+    got, want = np.asarray(got), np.asarray(want)
+    rows = []
+    for row in zip(*np.nonzero(np.any(got != want, axis=-1))):
+        g, w = got[row], want[row]
+        assert len(np.setxor1d(g[g >= 0], w[w >= 0])) <= 2, (row, g, w)
+        rows.append(row)
+    return rows
+
+
 @pytest.mark.parametrize("name,seq,block", [("tiny", 100, 32), ("tiny_v4", 100, 32), ("passkey", 1100, 512)])
 def test_blockwise_logits_and_records_equal_every_query_at_once(name, seq, block):
+    """The blockwise forward's choices equal every query at once's, except where a near tie flips one entry of
+    one query's set (passkey at 1,100 tokens: layer 4's 16th and 17th scores of row 0, query 1,016 are 1.6e-6
+    apart, 4.4e-6 relative, and some CPUs sum them in the other order: at most one such query a layer), and
+    forced to the same choices (selection replay) its logits and records equal it to 1e-5."""
     dense, blockwise = _configs(name, block)
     params = dsv41.init_params(dense, jax.random.key(0))
     tokens = _batch(dense, 2, seq)["inputs"]
     want, want_rec = model_lib.forward_with_intermediates(params, dense, tokens)
-    got, got_rec = model_lib.forward_with_intermediates(params, blockwise, tokens)
-    scale = float(jnp.max(jnp.abs(want)))
-    assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * scale
+    _, got_rec = model_lib.forward_with_intermediates(params, blockwise, tokens)
     picked = 0
     for i, (w, g) in enumerate(zip(want_rec, got_rec, strict=True)):
         for name_ in ("picks", "pool_ids"):
             if name_ in w["attn"]:
-                np.testing.assert_array_equal(np.asarray(g["attn"][name_]), np.asarray(w["attn"][name_]),
-                                              err_msg=f"layer {i} {name_}")
+                flipped = _set_differences(g["attn"][name_], w["attn"][name_])
+                assert len(flipped) <= 1, f"layer {i} {name_}: {flipped}"
                 picked += 1
     assert picked >= (1 if name == "tiny_v4" else 3)
+
+    chosen = {kind: {layer: np.asarray(selections.flat(want_rec[layer])[kind]) for layer in layers}
+              for kind, layers in selections.widths(dense).items()}
+    model = nnx.merge(model_lib.graphdef(model_lib.config_key(blockwise)), params)
+    pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), tokens.shape)
+    got, forced_rec = model(jnp.asarray(tokens), pos, record=True,
+                            forced=selections.check(blockwise, chosen, np.asarray(pos)))
+    scale = float(jnp.max(jnp.abs(want)))
+    assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * scale
+    for i, (w, g) in enumerate(zip(want_rec, forced_rec, strict=True)):
+        w, g = selections.flat(w), selections.flat(g)
+        for name_ in ("picks", "pool_ids", "entries", "index_keys"):
+            if name_ in w:
+                np.testing.assert_allclose(np.asarray(g[name_]), np.asarray(w[name_]), rtol=0,
+                                           atol=1e-5 * max(1.0, float(np.abs(np.asarray(w[name_])).max())),
+                                           err_msg=f"layer {i} {name_}")
 
 
 @pytest.mark.slow
