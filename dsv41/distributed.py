@@ -22,22 +22,36 @@ from dsv41.errors import ConfigError
 ENV = {"coordinator": "DSV41_COORDINATOR", "num_processes": "DSV41_NUM_PROCESSES", "process_id": "DSV41_PROCESS_ID"}
 
 
+# How long a simulated device's collective waits for the others before XLA:CPU aborts the process (its own
+# default: 40 s). On a loaded 2-core machine two 8-device processes side by side starved one past 40 s (seen in
+# a CI run: `serve --mesh data=2,expert=4` aborted in an all-gather's rendezvous with its threads reserved).
+COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_call_terminate_timeout_seconds"
+COLLECTIVE_TIMEOUT_S = 300
+
+
 def reserve_collective_threads(environ=os.environ) -> dict:
     """Sizes XLA:CPU's thread pools for simulated devices (`--xla_force_host_platform_device_count=N` in
     XLA_FLAGS, N > 1): sets PJRT_NPROC, which the CPU client reads when it starts, to max(cores, 2N) unless
-    it is set. Returns what it set (empty when nothing).
+    it is set, and gives a collective `COLLECTIVE_TIMEOUT_S` to gather its devices unless XLA_FLAGS sets that.
+    Returns what it set (empty when nothing).
 
     The pools have max(cores, N) threads, and a collective holds a thread until every device of its group
     arrives. XLA:CPU may start a loop that holds collectives beside an independent collective of the same
     program, so with N threads one device can hold the loop's all-gather while the others hold the
     all-reduce: no thread is left for either to finish, and the rendezvous aborts the process after 40 s
     (seen once on 2 cores, `serve --mesh data=2,expert=4` on 8 devices). With 2N threads both fit."""
-    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", environ.get("XLA_FLAGS", ""))
+    flags = environ.get("XLA_FLAGS", "")
+    found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", flags)
     devices = int(found[-1]) if found else 1
-    if devices < 2 or "PJRT_NPROC" in environ:
+    if devices < 2:
         return {}
-    environ["PJRT_NPROC"] = str(max(os.cpu_count() or 1, 2 * devices))
-    return {"PJRT_NPROC": environ["PJRT_NPROC"]}
+    out = {}
+    if "PJRT_NPROC" not in environ:
+        out["PJRT_NPROC"] = str(max(os.cpu_count() or 1, 2 * devices))
+    if COLLECTIVE_TIMEOUT_FLAG not in flags:
+        out["XLA_FLAGS"] = f"{flags} {COLLECTIVE_TIMEOUT_FLAG}={COLLECTIVE_TIMEOUT_S}".strip()
+    environ.update(out)
+    return out
 
 
 def _env_int(field: str):

@@ -102,15 +102,19 @@ def test_two_processes_decode_like_one(tmp_path):
 def test_simulated_devices_get_two_pool_threads_each():
     """`reserve_collective_threads` (called by the CLI and the tests' device subprocesses) sizes XLA:CPU's
     pools to max(cores, 2N) for N simulated devices, and a started CPU client has that many Eigen threads
-    (without it: max(cores, N), the count at which two unordered collectives can hold every thread)."""
+    (without it: max(cores, N), the count at which two unordered collectives can hold every thread); it lets a
+    collective wait `COLLECTIVE_TIMEOUT_S` for its devices (an XLA flag the started client accepts)."""
     from dsv41 import distributed
 
     flags = "--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=8"
     want = str(max(os.cpu_count(), 16))
-    assert distributed.reserve_collective_threads(env := {"XLA_FLAGS": flags}) == {"PJRT_NPROC": want}
-    assert env == {"XLA_FLAGS": flags, "PJRT_NPROC": want}
-    assert distributed.reserve_collective_threads(env := {"XLA_FLAGS": flags, "PJRT_NPROC": "3"}) == {}
-    assert env["PJRT_NPROC"] == "3"  # the user's choice stands
+    timeout = f"{distributed.COLLECTIVE_TIMEOUT_FLAG}={distributed.COLLECTIVE_TIMEOUT_S}"
+    set_ = {"PJRT_NPROC": want, "XLA_FLAGS": f"{flags} {timeout}"}
+    assert distributed.reserve_collective_threads(env := {"XLA_FLAGS": flags}) == set_
+    assert env == set_
+    mine = f"{flags} {distributed.COLLECTIVE_TIMEOUT_FLAG}=7"
+    assert distributed.reserve_collective_threads(env := {"XLA_FLAGS": mine, "PJRT_NPROC": "3"}) == {}
+    assert env == {"XLA_FLAGS": mine, "PJRT_NPROC": "3"}  # the user's choices stand
     for flags in ("", "--xla_force_host_platform_device_count=1"):
         assert distributed.reserve_collective_threads(env := {"XLA_FLAGS": flags}) == {} and "PJRT_NPROC" not in env
     script = ("import os, jax, jax.numpy as jnp\n"

@@ -547,8 +547,8 @@ class Attention(nnx.Module):
         """The kernel implementation the blockwise whole-sequence (training) forward — a sequence longer than
         `query_block` — selects with, or None for its XLA path: the Pallas kernels read the cache's formats, so they
         serve only where the forward's values are those formats (`quant: qat`) and not for FLOP counting (under
-        `Lowering.sequence` each lane's blocks run them on the devices holding the lane: `over_query_blocks`). This is the indexer kernels'; `attention_kernel` the chunk
-        kernel's."""
+        `Lowering.sequence` each lane's blocks run them on the devices holding the lane: `over_query_blocks`). This
+        is the indexer kernels'; `attention_kernel` the chunk kernel's."""
         return self._training_kernel("indexer")
 
     def _training_kernel(self, kind: str) -> str | None:
