@@ -80,6 +80,40 @@ def test_the_trip_count_is_the_filled_tiles():
     assert 3 in run(early)
 
 
+@pytest.mark.parametrize("chunk_blocks", [1, 2, 3, 8])
+def test_pool_chunks_top_k_ranks_as_numpy_over_the_pool(chunk_blocks):
+    """A Reindex layer's training selection scores its candidate pool a few blocks at a time with a running
+    top-k (`indexer.pool_chunks_top_k`): the picks of NumPy float64 lightning scores over each query's pool
+    entries (everything else −inf; ties to the lower entry), with pools of different sizes, −1 padded, and
+    entries not yet visible; and those of the whole pool at once (`pool_top_k`)."""
+    rng = np.random.default_rng(1)
+    b, s, heads, d, t, block, n, k = 2, 3, 4, 8, 48, 4, 5, 6
+    q = rng.integers(-2, 3, (b, s, heads, d)).astype(np.float32)  # small integers: exact sums, many ties
+    w = rng.integers(0, 3, (b, s, heads)).astype(np.float32)
+    keys = rng.integers(-2, 3, (b, t, d)).astype(np.float32)
+    pools = np.full((b, s, n), -1)
+    for r, row in enumerate([[[0, 3, 7, 9, 11], [2, 5], [1]], [[4, 6, 8], [], [0, 1, 2, 10, 11]]]):
+        for i, ids in enumerate(row):
+            pools[r, i, :len(ids)] = ids
+    visible = np.array([[45, 30, 6], [40, 0, 47]])
+    dots = np.einsum("bshd,btd->bsht", q.astype(np.float64), keys.astype(np.float64))
+    full = np.einsum("bsh,bsht->bst", w / np.sqrt(heads), np.maximum(dots, 0)) / np.sqrt(d)
+    in_pool = np.zeros((b, s, t), bool)
+    for idx in np.ndindex(b, s):
+        for blk in pools[idx]:
+            if blk >= 0:
+                in_pool[idx][blk * block:(blk + 1) * block] = True
+    want = numpy_top_k(np.where(in_pool & (np.arange(t) < visible[..., None]), full, -np.inf), k)
+    args = (jnp.asarray(q), jnp.asarray(w), jnp.asarray(keys), jnp.asarray(pools, jnp.int32), block,
+            jnp.asarray(visible))
+    got = jax.jit(lambda: ix.pool_chunks_top_k(*args, k, chunk_blocks, group=1))()
+    np.testing.assert_array_equal(np.asarray(got), want)
+    entry, ok = ix.pool_entries(args[3], block, args[5])
+    gathered = jax.vmap(lambda t_, i: t_[i])(args[2], entry)
+    at_once = ix.pool_top_k(ix.lightning_scores_per_query(args[0], gathered, args[1], ok), jnp.where(ok, entry, -1), k)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(at_once))
+
+
 def test_score_tile_must_hold_whole_pool_blocks():
     with pytest.raises(dsv41.ConfigError, match="runtime.score_tile.*positions_per_block"):
         dsv41.load_config("tiny", ["runtime.score_tile=12"])

@@ -280,8 +280,8 @@ class Attention(nnx.Module):
     def select_blocks(self, qI_BSJd, w_BSJ, positions_BS, keys_BTd, pool_ids_BSM=None):
         """(picks [B, S, k], candidate-pool block ids [B, S, M] or None) of an index source over the whole
         sequence, `query_block` queries at a time: a Full layer scores the visible entries (the filled tiles),
-        a Reindex layer only its candidate pool's entries, gathered (its scores outside the pool would be −inf:
-        the same picks). One indexer head at a time (`lightning_scores`' group)."""
+        a Reindex layer only its candidate pool's entries, gathered a tile at a time (its scores outside the
+        pool would be −inf: the same picks). One indexer head at a time (`lightning_scores`' group)."""
         rec, block, k = self.record, self.pool_block_size, self.top_k
         num = keys_BTd.shape[1]
         # A Full layer scores the entries its block's queries may see, `score_tile` at a time with a running
@@ -299,11 +299,14 @@ class Attention(nnx.Module):
 
         def select(n, q_b, w_b, pos_b, pool_b):
             visible = (pos_b + 1) // rec.ratio
-            if pool_b is not None:
+            if pool_b is not None and self.policy.lowering.unroll_layers:  # FLOP counting: the pool at once
                 entry, ok = ix.pool_entries(pool_b, block, visible)
                 gathered = jax.vmap(lambda t, i: t[i])(keys_BTd, entry)  # [B, Q, P, dI]
                 scores = ix.lightning_scores_per_query(q_b, gathered, w_b, ok, self.indexer.unroll, group=1)
                 return ix.pool_top_k(scores, jnp.where(ok, entry, -1), k), None
+            if pool_b is not None:  # the pool's keys gathered `score_tile` entries at a time ([Q, tile, dI])
+                return ix.pool_chunks_top_k(q_b, w_b, keys_BTd, pool_b, block, visible, k, tile // block,
+                                            self.indexer.unroll, group=1), None
             if impl is not None:  # the prefill kernels: one pass over the visible tiles, as the cached step's
                 args = (q_b, w_b, key_bytes, key_scales, pos_b, rec.ratio)
                 if self.builds_pool:

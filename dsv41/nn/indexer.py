@@ -263,6 +263,27 @@ def candidate_block_ids(scores_BST, visible_count_BS, max_blocks: int, block: in
     return ids
 
 
+def _merge_best(best, values, ids, n: int):
+    """The best n of the running best (values, ids) and a new set's: the running best come first, so among
+    equal values they keep their place (`jax.lax.top_k` keeps the earlier), and with them the lower ids
+    wherever each new set holds higher ids than the sets before it."""
+    v, i = jax.lax.top_k(values, min(n, values.shape[-1]))
+    cat_v, cat_i = jnp.concatenate([best[0], v], -1), jnp.concatenate([best[1], jnp.take_along_axis(ids, i, -1)], -1)
+    v, i = jax.lax.top_k(cat_v, n)
+    return v, jnp.take_along_axis(cat_i, i, -1)
+
+
+def _empty_best(rows_BS: tuple, n: int, sentinel: int):
+    return jnp.full((*rows_BS, n), NEG_INF, jnp.float32), jnp.full((*rows_BS, n), sentinel, jnp.int32)
+
+
+def _finish_best(best, sentinel: int, width: int):
+    """The running best's ids with a finite score, ascending, −1 padded to `width`."""
+    ids = jnp.sort(jnp.where(best[0] > NEG_INF, best[1], sentinel), axis=-1)
+    ids = jnp.where(ids == sentinel, -1, ids).astype(jnp.int32)
+    return jnp.pad(ids, [(0, 0), (0, 0), (0, width - ids.shape[-1])], constant_values=-1)
+
+
 def filled_top_k(tile_scores, rows_BS: tuple, num_entries: int, tile: int, filled, k: int, pool=None):
     """`top_k_indices` (and `candidate_block_ids`) over the filled tiles of a store only (DESIGN §6: a row's
     cost follows its length, not the cache's capacity).
@@ -277,48 +298,59 @@ def filled_top_k(tile_scores, rows_BS: tuple, num_entries: int, tile: int, fille
     tile's (the running best come first and hold lower indices)."""
     b, s = rows_BS
     k_eff = min(k, num_entries)
-
-    def merge(best, values, ids, n):
-        v, i = jax.lax.top_k(values, min(n, values.shape[-1]))
-        cat_v, cat_i = jnp.concatenate([best[0], v], -1), jnp.concatenate([best[1], jnp.take_along_axis(ids, i, -1)], -1)
-        v, i = jax.lax.top_k(cat_v, n)
-        return v, jnp.take_along_axis(cat_i, i, -1)
-
-    def empty(n, sentinel):
-        return jnp.full((b, s, n), NEG_INF, jnp.float32), jnp.full((b, s, n), sentinel, jnp.int32)
-
-    state = {"picks": empty(k_eff, num_entries)}
+    state = {"picks": _empty_best(rows_BS, k_eff, num_entries)}
     if pool is not None:
         max_blocks, block, visible_count = pool
         n_blocks = num_entries // block
         newest = (visible_count - 1) // block
-        state["pool"] = empty(min(max_blocks, n_blocks), n_blocks)
+        state["pool"] = _empty_best(rows_BS, min(max_blocks, n_blocks), n_blocks)
 
     def step(t, state):
         start = jnp.minimum(t * tile, num_entries - tile)  # the last tile may overlap the one before
         entry = start + jnp.arange(tile, dtype=jnp.int32)
         scores = jnp.where(entry >= t * tile, tile_scores(start), NEG_INF)  # each entry once
         ids = jnp.broadcast_to(entry, scores.shape)
-        out = {"picks": merge(state["picks"], scores, ids, k_eff)}
+        out = {"picks": _merge_best(state["picks"], scores, ids, k_eff)}
         if pool is not None:
             block_ids = start // block + jnp.arange(tile // block, dtype=jnp.int32)
             block_scores = scores.reshape(b, s, -1, block).max(-1)
             block_scores = jnp.where(block_ids == newest[..., None], jnp.inf, block_scores)
             block_scores = jnp.where(block_ids * block >= t * tile, block_scores, NEG_INF)
-            out["pool"] = merge(state["pool"], block_scores, jnp.broadcast_to(block_ids, block_scores.shape),
-                                state["pool"][0].shape[-1])
+            out["pool"] = _merge_best(state["pool"], block_scores, jnp.broadcast_to(block_ids, block_scores.shape),
+                                      state["pool"][0].shape[-1])
         return out
 
     trips = (jnp.minimum(filled, num_entries) + tile - 1) // tile
     state = jax.lax.fori_loop(0, trips, step, state)
+    picks = _finish_best(state["picks"], num_entries, k)
+    return picks, (None if pool is None else _finish_best(state["pool"], n_blocks, max_blocks))
 
-    def finish(best, sentinel, width):
-        ids = jnp.sort(jnp.where(best[0] > NEG_INF, best[1], sentinel), axis=-1)
-        ids = jnp.where(ids == sentinel, -1, ids).astype(jnp.int32)
-        return jnp.pad(ids, [(0, 0), (0, 0), (0, width - ids.shape[-1])], constant_values=-1)
 
-    picks = finish(state["picks"], num_entries, k)
-    return picks, (None if pool is None else finish(state["pool"], n_blocks, max_blocks))
+def pool_chunks_top_k(q_BSJd, w_BSJ, keys_BTd, block_ids_BSn, block: int, visible_BS, k: int, chunk_blocks: int,
+                      unroll: bool = False, group: int | None = None):
+    """`pool_top_k` of the lightning scores over a candidate pool's entries (block ids [B, S, n], ascending,
+    −1 padded), `chunk_blocks` pool blocks at a time with a running top-k: the gathered keys held at once
+    are [B, S, chunk_blocks·block, dI], not the whole pool's, and only the chunks some query's pool reaches
+    run (a loop with that trip count; the −1 padding is at the end). Equal to `pool_top_k` over the whole
+    pool: the chunks' entries ascend, so each merge keeps the lower id among equal scores, as it does."""
+    n = block_ids_BSn.shape[-1]
+    chunk = min(chunk_blocks, n)
+    n_chunks = -(-n // chunk)
+    ids = jnp.pad(block_ids_BSn, [(0, 0), (0, 0), (0, n_chunks * chunk - n)], constant_values=-1)
+    num = keys_BTd.shape[1]
+    k_eff = min(k, n * block)
+    gather = jax.vmap(lambda t, i: t[i])
+
+    def step(c, best):
+        entry, ok = pool_entries(jax.lax.dynamic_slice_in_dim(ids, c * chunk, chunk, axis=-1), block, visible_BS)
+        entry = jnp.where(ok, entry, num)  # an unusable entry scores −inf and is never kept
+        scores = lightning_scores_per_query(q_BSJd, gather(keys_BTd, jnp.minimum(entry, num - 1)), w_BSJ, ok,
+                                            unroll, group)
+        return _merge_best(best, scores, entry, k_eff)
+
+    trips = (jnp.max(jnp.sum(block_ids_BSn >= 0, axis=-1)) + chunk - 1) // chunk
+    best = jax.lax.fori_loop(0, trips, step, _empty_best(block_ids_BSn.shape[:2], k_eff, num))
+    return _finish_best(best, num, k)
 
 
 def block_ids_to_mask(ids_BSn, n_blocks: int):
