@@ -159,7 +159,9 @@ def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, p
     work and is dropped when the rows go back to their tokens); "dense" runs every held expert over every
     token, weighted by the token's gate for it; "per_pick" traces one matmul per pick against that
     expert's gathered weights (what XLA's cost analysis counts as computed: it counts a ragged_dot as if
-    every row met every group). The results are the same sums, in another order."""
+    every row met every group). The results are the same sums, in another order. Each matmul returns the
+    compute dtype, as `Policy.matmul` does (bf16: one pick's output is a bf16 value; the picks add up in fp32),
+    so that a training step's [N·k, D] per-pick buffers and their cotangents are half the size."""
     form = form or expert_form(policy)
     if form == "per_pick":
         return _experts_per_pick(x_ND, weights_Nk, idx_Nk.reshape(-1), w1_GDI, w3_GDI, w2_GID, limit=limit,
@@ -175,12 +177,12 @@ def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, p
     sizes = jnp.bincount(flat, length=g + 1)[:g].astype(jnp.int32)
     xs = x_ND[order // k].astype(policy.compute_dtype)
     dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(policy.compute_dtype), sizes, precision=policy.precision,
-                                          preferred_element_type=jnp.float32)
+                                          preferred_element_type=policy.compute_dtype)
     h = swiglu(dot(xs, w1_GDI), dot(xs, w3_GDI), limit) * weights_Nk.reshape(-1)[order][:, None]
     ys = dot(h.astype(policy.compute_dtype), w2_GID)
     back = jnp.where(flat[order] < g, order, n * k)
     y = jnp.zeros_like(ys).at[back].set(ys, mode="drop")
-    return y.reshape(n, k, -1).sum(axis=1)
+    return y.reshape(n, k, -1).astype(jnp.float32).sum(axis=1)
 
 
 def _experts_dense(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, policy: Policy):
@@ -191,9 +193,9 @@ def _experts_dense(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: f
     gate_GN = jnp.einsum("nk,nkg->gn", weights_Nk.astype(jnp.float32), jax.nn.one_hot(idx_Nk, g, dtype=jnp.float32))
     xs = jnp.broadcast_to(x_ND.astype(policy.compute_dtype), (g, *x_ND.shape))
     dot = lambda spec, a, w: jnp.einsum(spec, a, w.astype(policy.compute_dtype), precision=policy.precision,
-                                        preferred_element_type=jnp.float32)
+                                        preferred_element_type=policy.compute_dtype)
     h = swiglu(dot("gnd,gdi->gni", xs, w1_GDI), dot("gnd,gdi->gni", xs, w3_GDI), limit) * gate_GN[..., None]
-    return dot("gni,gid->gnd", h.astype(policy.compute_dtype), w2_GID).sum(axis=0)
+    return dot("gni,gid->gnd", h.astype(policy.compute_dtype), w2_GID).astype(jnp.float32).sum(axis=0)
 
 
 def _experts_per_pick(x_ND, weights_Nk, flat, w1_GDI, w3_GDI, w2_GID, *, limit: float, policy: Policy):
@@ -203,10 +205,10 @@ def _experts_per_pick(x_ND, weights_Nk, flat, w1_GDI, w3_GDI, w2_GID, *, limit: 
     pick = jnp.minimum(flat, g - 1)
     xs = jnp.repeat(x_ND, k, axis=0).astype(policy.compute_dtype)             # [N·k, D], pick-major per token
     dot = lambda a, w, spec: jnp.einsum(spec, a, jnp.take(w, pick, axis=0).astype(policy.compute_dtype),
-                                        precision=policy.precision, preferred_element_type=jnp.float32)
+                                        precision=policy.precision, preferred_element_type=policy.compute_dtype)
     h = swiglu(dot(xs, w1_GDI, "nd,ndi->ni"), dot(xs, w3_GDI, "nd,ndi->ni"), limit) * weights_Nk.reshape(-1)[:, None]
     ys = dot(h.astype(policy.compute_dtype), w2_GID, "ni,nid->nd")
-    return jnp.where(here[:, None], ys, 0.0).reshape(n, k, -1).sum(axis=1)
+    return jnp.where(here[:, None], ys, 0).reshape(n, k, -1).astype(jnp.float32).sum(axis=1)
 
 
 @dataclasses.dataclass(frozen=True)
