@@ -85,6 +85,10 @@ class TrainConfig:
     balance_rate: float = 1e-3  # γ of the bias update (DeepSeek-V3 uses 1e-3)
     remat: str = "none"
     freeze_main: bool = False  # V3.2's indexer warm-up: only the indexer trains, on the KL alone
+    # Parameters kept as they are, by name on their path (comma-separated: "engram", "engram,embed"): no gradient
+    # is taken for them and the optimiser holds no moments for them (`trainable`). V4.1-Flash's Engram tables
+    # are 197B of its 748B parameters: frozen, the full-size step's state per chip 46.6 -> 23.8 GiB (README).
+    frozen: str = ""
 
     def __post_init__(self):
         checks = [("warmup_steps", self.warmup_steps >= 0, "at least 0"),
@@ -96,10 +100,16 @@ class TrainConfig:
                   ("indexer_kl_weight", self.indexer_kl_weight >= 0, "at least 0"),
                   ("balance_rate", self.balance_rate >= 0, "at least 0"),
                   ("remat", self.remat in REMAT, f"one of {REMAT}"),
-                  ("kl_over", self.kl_over in KL_OVER, f"one of {KL_OVER}")]
+                  ("kl_over", self.kl_over in KL_OVER, f"one of {KL_OVER}"),
+                  ("frozen", all(self.frozen_names), "comma-separated parameter names, e.g. 'engram' or "
+                                                     "'engram,embed'")]
         for name, ok, expected in checks:
             if not ok:
                 raise ConfigError(f"train.{name}", getattr(self, name), f"expected {expected}")
+
+    @property
+    def frozen_names(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.frozen.split(",")) if self.frozen.strip() else ()
 
     def replace(self, overrides: dict) -> "TrainConfig":
         """A copy with `{field: value}` overrides (strings from the command line are converted)."""
@@ -146,11 +156,28 @@ def split_variables(variables: nnx.State) -> tuple[nnx.State, nnx.State]:
     return nnx.split_state(variables, nnx.Param, ...)
 
 
+def trainable(tc: TrainConfig, params: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(the parameters the optimiser trains, those `tc.frozen` names), split by the names on each leaf's path
+    (`engram` holds `engram.{k}.table` and the Engram projections). A name no parameter carries is an error."""
+    names = tc.frozen_names
+    if not names:
+        return params, nnx.State({})
+    flat = nnx.to_flat_state(params)
+    keys = {str(k) for path, _ in flat for k in path}
+    missing = [n for n in names if n not in keys]
+    if missing:
+        raise ConfigError("train.frozen", tc.frozen, f"no parameter path holds {missing[0]!r}; expected names such as "
+                                                     "'engram', 'embed', 'head', 'ffn', 'attn'")
+    hit = lambda path: any(str(k) in names for k in path)
+    return (nnx.from_flat_state([(p, v) for p, v in flat if not hit(p)]),
+            nnx.from_flat_state([(p, v) for p, v in flat if hit(p)]))
+
+
 def init_state(cfg, tc: TrainConfig, key: jax.Array, variables: nnx.State | None = None) -> TrainState:
-    """A fresh TrainState at step 0 with zero optimiser moments, from `variables` (e.g. `load_params`,
-    for continued training) or else `init_params(cfg, key)`."""
+    """A fresh TrainState at step 0 with zero optimiser moments (for the `trainable` parameters), from
+    `variables` (e.g. `load_params`, for continued training) or else `init_params(cfg, key)`."""
     params, buffers = split_variables(model_lib.init_params(cfg, key) if variables is None else variables)
-    return TrainState(params, optimizer(tc).init(params), jnp.zeros((), jnp.int32), buffers)
+    return TrainState(params, optimizer(tc).init(trainable(tc, params)[0]), jnp.zeros((), jnp.int32), buffers)
 
 
 def abstract_state(cfg, tc: TrainConfig) -> TrainState:
@@ -530,7 +557,7 @@ def state_shardings(cfg, tc: TrainConfig, mesh, rules="train") -> TrainState:
     params, buffers = split_variables(sharding.param_shardings(cfg, mesh, rules))
     whole = NamedSharding(mesh, PartitionSpec())
     opt_state = optax.tree_map_params(optimizer(tc), lambda _, spec: spec, abstract_state(cfg, tc).opt_state,
-                                      params, transform_non_params=lambda _: whole)
+                                      trainable(tc, params)[0], transform_non_params=lambda _: whole)
     return TrainState(params, opt_state, whole, buffers)
 
 
@@ -570,7 +597,9 @@ def make_train_step(cfg, tc: TrainConfig, *, mesh=None, rules="train"):
     graphdef = model_lib.graphdef(key, lowering)
     opt = optimizer(tc)
     lr = schedule(tc)
-    grad_fn = jax.grad(_loss_fn(cfg, tc, lowering), has_aux=True)
+    losses = _loss_fn(cfg, tc, lowering)
+    # Only the trained parameters are differentiated: a frozen one gets no gradient buffer (`trainable`).
+    grad_fn = jax.grad(lambda trained, kept, *rest: losses(nnx.merge_state(trained, kept), *rest), has_aux=True)
     placed = {}
     if mesh is not None:
         from jax.sharding import NamedSharding, PartitionSpec
@@ -585,23 +614,25 @@ def make_train_step(cfg, tc: TrainConfig, *, mesh=None, rules="train"):
         n_rows = float(max(kl_rows(cfg, b, s), 1))
         micro = jax.tree.map(lambda v: v.reshape(a, b // a, *v.shape[1:]), batch)
 
+        trained, kept = trainable(tc, state.params)
+
         def accumulate(carry, mb):
             grads, ce, kl, load = carry
-            g, (c, k, l) = grad_fn(state.params, state.buffers, mb, n_tokens, n_rows)
+            g, (c, k, l) = grad_fn(trained, kept, state.buffers, mb, n_tokens, n_rows)
             return (jax.tree.map(jnp.add, grads, g), ce + c, kl + k, jax.tree.map(jnp.add, load, l)), None
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        zeros = jax.tree.map(jnp.zeros_like, trained)
         model = nnx.merge(graphdef, state.params, state.buffers)
         load0 = {i: jnp.zeros((model.layer(i).ffn.num_experts,), jnp.float32)
                  for i in range(model.num_layers) if model.layer(i).ffn.bias is not None}
         (grads, ce_sum, kl_sum, load), _ = jax.lax.scan(
             accumulate, (zeros, jnp.zeros(()), jnp.zeros(()), load0), micro)
-        updates, opt_state = opt.update(grads, state.opt_state, state.params)
+        updates, opt_state = opt.update(grads, state.opt_state, trained)
         if tc.freeze_main:  # also stops weight decay from moving the frozen weights
             updates = jax.tree_util.tree_map_with_path(
                 lambda path, u: u if any(getattr(k, "key", None) == "indexer" for k in path) else jnp.zeros_like(u),
                 updates)
-        params = optax.apply_updates(state.params, updates)
+        params = nnx.merge_state(optax.apply_updates(trained, updates), kept)
         buffers, imbalance = update_balance(cfg, state.buffers, load, tc.balance_rate)
         ce, kl = ce_sum / n_tokens, kl_sum / n_rows
         metrics = {"loss": (0.0 if tc.freeze_main else ce) + tc.indexer_kl_weight * kl, "ce": ce, "kl": kl,
@@ -643,13 +674,15 @@ def update_balance(cfg, buffers: nnx.State, load: dict[int, jax.Array], rate: fl
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_step(key: str, tc: TrainConfig, mesh=None):
-    return make_train_step(model_lib.config_from_key(key), tc, mesh=mesh)
+def _cached_step(key: str, tc: TrainConfig, mesh=None, rules_items: tuple = ()):
+    return make_train_step(model_lib.config_from_key(key), tc, mesh=mesh, rules=dict(rules_items) or "train")
 
 
-def train_step_for(cfg, tc: TrainConfig, mesh=None):
-    """`make_train_step`, compiled once per (config, TrainConfig, mesh) in this process."""
-    return _cached_step(model_lib.config_key(cfg), tc, mesh)
+def train_step_for(cfg, tc: TrainConfig, mesh=None, rules="train"):
+    """`make_train_step`, compiled once per (config, TrainConfig, mesh, rules) in this process."""
+    from dsv41 import sharding  # sharding imports this module's neighbours; imported where used, as above
+
+    return _cached_step(model_lib.config_key(cfg), tc, mesh, () if mesh is None else sharding.rules_key(rules))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -695,7 +728,7 @@ def evaluate(state: TrainState, cfg, batches: list[dict]) -> dict:
 
 def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=None, progress=None,
         initial: nnx.State | None = None, evaluator=None, eval_every: int = 0,
-        mesh=None) -> tuple[TrainState, list[dict]]:
+        mesh=None, rules="train") -> tuple[TrainState, list[dict]]:
     """Runs `steps` optimiser steps in total (resuming from `checkpointer`'s newest complete step if any).
 
     data: an iterator of batches with `state()` / `restore(dict)` (`dsv41.data`); progress: a
@@ -703,10 +736,11 @@ def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=N
     metrics of the steps run here, as floats). initial: the variables a fresh run starts from (`load_params`
     of an exported or converted checkpoint) instead of a random init; a resumed run ignores it.
     evaluator: a callable(state) -> {name: float} (e.g. `evaluate` on held-out batches) run after every
-    `eval_every`-th step; its results join that step's metrics as `eval_<name>`. mesh: train on it (the
-    `train` rules: FSDP, rows over data × expert, tokens over context; `make_train_step`).
+    `eval_every`-th step; its results join that step's metrics as `eval_<name>`. mesh: train on it under
+    `rules` (`train`: FSDP, rows over data × expert, tokens over context; `train_long`: rows over data, tokens
+    over expert × context; `make_train_step`).
     """
-    step_fn = train_step_for(cfg, tc, mesh)
+    step_fn = train_step_for(cfg, tc, mesh, rules)
     state, start = None, 0
     if checkpointer is not None and checkpointer.latest_step() is not None:
         state, data_state = checkpointer.restore(abstract_state(cfg, tc), cfg=cfg)
@@ -715,7 +749,7 @@ def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=N
     if state is None:
         state = init_state(cfg, tc, jax.random.key(seed), initial)
     if mesh is not None:
-        state = shard_state(state, cfg, tc, mesh)
+        state = shard_state(state, cfg, tc, mesh, rules)
     history = []
     for step in range(start, steps):
         state, metrics = step_fn(state, next(data))
@@ -775,6 +809,10 @@ def add_parser(subparsers):
                    help="train on a mesh of the local devices, e.g. context=8 or data=2,context=4 (rules `train`: "
                         "FSDP over data × expert, rows over data × expert, each row's tokens over context: "
                         "sequence parallel); --batch must divide over data × expert and --seq over context")
+    p.add_argument("--rules", choices=("train", "train_long"), default="train",
+                   help="how --mesh splits a step: train (rows over data × expert, each row's tokens over context) "
+                        "or train_long (rows over data only, each row's tokens over expert × context: fewer, longer "
+                        "rows; --batch must divide over data and --seq over expert × context)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     return p
 
@@ -838,7 +876,7 @@ def run(args) -> int:
     t0 = time.time()
     state, history = fit(cfg, tc, data, args.steps, seed=args.seed, checkpointer=ckpt, progress=progress,
                          initial=initial, evaluator=lambda st: evaluate(st, cfg, held_out), eval_every=args.eval_every,
-                         mesh=mesh)
+                         mesh=mesh, rules=args.rules)
     bar.close()
     if ckpt is not None:
         ckpt.close()

@@ -2,11 +2,12 @@
 
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 JAX_PLATFORMS=cpu python scripts/compile_train.py \
         --topology v5p:8x8x8 --mesh expert=64,context=8 --batch 64 --seqs 65536,131072
+    ... --mesh data=8,expert=8,context=8 --rules train_long --batch 8 --seqs 65536 --set train.frozen=engram
 
 Compiles `train.make_train_step` (the one the CLI runs) with abstract inputs — a TrainState sharded as
 `train.state_shardings` says (fp32 master weights and AdamW moments, FSDP over data × expert × context, experts over
 `expert`) and a batch of `--batch` rows of each length, rows over data × expert and each row's tokens over `context`
-(sequence parallel) — and prints XLA's memory analysis per chip: arguments (the state and the batch), temporaries,
+(sequence parallel; `--rules train_long`: rows over data, tokens over expert × context) — and prints XLA's memory analysis per chip: arguments (the state and the batch), temporaries,
 and their sum against the chip's HBM. Needs libtpu (the `tpu` extra); nothing runs on a TPU.
 """
 
@@ -26,9 +27,9 @@ from dsv41.config import load_config
 GiB = 2 ** 30
 
 
-def abstract_batch(cfg, mesh, batch: int, seq: int) -> dict:
+def abstract_batch(cfg, mesh, batch: int, seq: int, rules="train") -> dict:
     sds = lambda shape, dtype, what: jax.ShapeDtypeStruct(shape, dtype, sharding=sh.sequence_sharding(
-        mesh, "train", shape, what))
+        mesh, rules, shape, what))
     out = {k: sds((batch, seq), jnp.int32, f"batch[{k!r}]") for k in ("inputs", "targets")}
     out["loss_mask"] = sds((batch, seq), jnp.float32, "batch['loss_mask']")
     e = cfg.architecture.engram
@@ -38,12 +39,12 @@ def abstract_batch(cfg, mesh, batch: int, seq: int) -> dict:
     return out
 
 
-def compile_one(cfg, tc, mesh, batch: int, seq: int) -> dict:
+def compile_one(cfg, tc, mesh, batch: int, seq: int, rules="train") -> dict:
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                         train.abstract_state(cfg, tc), train.state_shardings(cfg, tc, mesh))
+                         train.abstract_state(cfg, tc), train.state_shardings(cfg, tc, mesh, rules))
     t0 = time.perf_counter()
-    step = train.make_train_step(cfg, tc, mesh=mesh).jitted
-    lowered = step.trace(state, abstract_batch(cfg, mesh, batch, seq)).lower()
+    step = train.make_train_step(cfg, tc, mesh=mesh, rules=rules).jitted
+    lowered = step.trace(state, abstract_batch(cfg, mesh, batch, seq, rules)).lower()
     t1 = time.perf_counter()
     compiled, error = compile_report.try_compile(lowered)
     if compiled is None:  # XLA's error names the temporaries it asked for
@@ -70,7 +71,11 @@ def main(argv=None) -> int:
     p.add_argument("--config", default="v41_flash")
     p.add_argument("--topology", default="v5p:8x8x8")
     p.add_argument("--mesh", default="expert=64,context=8", help="axis sizes over the topology's chips")
-    p.add_argument("--batch", type=int, default=64, help="rows per step (a multiple of data × expert)")
+    p.add_argument("--batch", type=int, default=64,
+                   help="rows per step (a multiple of data × expert; under --rules train_long, of data)")
+    p.add_argument("--rules", choices=("train", "train_long"), default="train",
+                   help="train: rows over data × expert, tokens over context; train_long: rows over data, tokens "
+                        "over expert × context")
     p.add_argument("--seqs", default="65536,131072", help="tokens per row, comma separated")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config overrides; train.FIELD=VALUE sets the TrainConfig (default remat=block, "
@@ -84,7 +89,7 @@ def main(argv=None) -> int:
     mesh = sh.make_mesh(sh.parse_mesh(args.mesh), devices=compile_report.topology_devices(args.topology))
     rows = []
     for seq in (int(s) for s in args.seqs.split(",")):
-        r = compile_one(cfg, tc, mesh, args.batch, seq)
+        r = compile_one(cfg, tc, mesh, args.batch, seq, args.rules)
         rows.append(r)
         if not args.json:
             if r.get("fits") is False and "error" in r:
@@ -95,7 +100,8 @@ def main(argv=None) -> int:
                   f"{r['total'] / GiB:.1f} GiB of {r['hbm'] / GiB:.0f} GiB; {r['mosaic_calls']} Mosaic calls; lower "
                   f"{r['lower_s']} s, compile {r['compile_s']} s", flush=True)
     if args.json:
-        print(json.dumps({"config": args.config, "topology": args.topology, "mesh": args.mesh, "batch": args.batch,
+        print(json.dumps({"config": args.config, "topology": args.topology, "mesh": args.mesh, "rules": args.rules,
+                          "batch": args.batch,
                           "train": {k: getattr(tc, k) for k in ("remat", "kl_over")}, "rows": rows}))
     return 0
 

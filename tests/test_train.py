@@ -530,3 +530,45 @@ def test_engram_config_trains_with_host_hash_ids():
         new, m = step(new, batch)
         losses.append(float(m["ce"]))
     assert losses[-1] < losses[0] - 1.0, losses
+
+
+@pytest.mark.slow
+def test_frozen_parameters_keep_their_values_and_hold_no_moments():
+    """`train.frozen=engram`: one step leaves the Engram tables and projections bit-identical and holds no AdamW
+    moments for them, and every other parameter takes NumPy float64's AdamW step (zero moments, bias-corrected,
+    decoupled decay on matrices) from `loss_and_grads`' gradients, clipped by the global norm of the trained
+    parameters' gradients alone."""
+    engram = '{"layers": [2], "max_ngram": 3, "heads_per_ngram": 2, "row_dim": 16, "compressed_vocab_size": 256, ' \
+             '"prime_floor": 100, "pad_id": 2}'
+    cfg = dsv41.load_config("tiny", MICRO + [f"architecture.engram={engram}", "quant=none"])
+    tc = train.TrainConfig(learning_rate=1e-3, warmup_steps=0, total_steps=12, frozen="engram")
+    state = train.init_state(cfg, tc, jax.random.key(4))
+    batch = next(passkey(21))
+    before = {p: np.asarray(v.get_value(), np.float64) for p, v in nnx.to_flat_state(state.params)}
+    frozen = {p for p in before if "engram" in p}
+    assert frozen and len(frozen) < len(before)
+    moments = [x.shape for x in jax.tree.leaves(state.opt_state) if x.ndim]
+    assert sorted(moments) == sorted(2 * [before[p].shape for p in before if p not in frozen])
+
+    _, grads = train.loss_and_grads(cfg, tc, nnx.merge_state(state.params, state.buffers), batch)
+    new, m = train.make_train_step(cfg, tc)(state, batch)
+    g = {p: np.asarray(v.get_value(), np.float64) for p, v in nnx.to_flat_state(grads) if p not in frozen}
+    norm = math.sqrt(sum(float((x ** 2).sum()) for x in g.values()))
+    assert norm > tc.clip_norm  # the clip is in play
+    assert float(m["grad_norm"]) == pytest.approx(norm, rel=1e-4)
+    lr, scale = float(m["lr"]), min(1.0, tc.clip_norm / norm)
+    for p, v in nnx.to_flat_state(new.params):
+        got = np.asarray(v.get_value(), np.float64)
+        if p in frozen:
+            np.testing.assert_array_equal(got, before[p])
+            continue
+        c = g[p] * scale  # Adam's first step: m̂ = c, v̂ = c²
+        want = before[p] - lr * (c / (np.abs(c) + tc.eps) + (tc.weight_decay * before[p] if got.ndim >= 2 else 0.0))
+        np.testing.assert_allclose(got, want, rtol=0, atol=lr * 1e-3, err_msg=".".join(map(str, p)))
+
+
+def test_frozen_names_a_parameter(cfg):
+    with pytest.raises(dsv41.ConfigError, match="train.frozen"):
+        train.init_state(cfg, train.TrainConfig(frozen="engram"), jax.random.key(0))  # tiny has no Engram
+    with pytest.raises(dsv41.ConfigError, match="train.frozen"):
+        train.TrainConfig(frozen="engram,,embed")

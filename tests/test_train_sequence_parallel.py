@@ -1,9 +1,11 @@
 """Sequence (context) parallel training on 8 simulated CPU devices equals one device.
 
 The passkey config (16 indexer heads, `quant: none`, query blocks of 32, remat="block"), 2 rows of 256 tokens
-from the passkey task: the loss, its parts and the gradients of `train.loss_and_grads` on a data 2 × context 4
-mesh, and the first step of `dsv41 train --mesh context=8` (each row's 256 tokens over 8 devices, 32 each: one
-query block per device), against `train.loss_and_grads` on one device. Tolerance: 1e-5 relative (fp32
+from the passkey task: the loss, its parts and the gradients of `train.loss_and_grads` on a data 2 × expert 2 ×
+context 2 mesh under the `train_long` rules (each row's tokens over expert × context, 64 a device; the routed
+experts split over `expert`), and the first step of `dsv41 train --mesh context=8` (the `train` rules: each
+row's 256 tokens over 8 devices, 32 each: one query block per device), against `train.loss_and_grads` on one
+device. Tolerance: 1e-5 relative (fp32
 reductions in another order; observed ~3e-6 on the gradients, ~1e-7 on the loss). The checks run in a
 subprocess started with 8 devices (`conftest.run_on_devices`)."""
 
@@ -42,8 +44,8 @@ def _checks() -> dict:
     batch = next(data.Synthetic("passkey", ROWS, SEQ, seed=0))  # what `dsv41 train --seed 0` trains on first
     variables = dsv41.init_params(cfg, jax.random.key(0))       # and its starting weights
     want, want_g = train.loss_and_grads(cfg, tc, variables, batch)
-    mesh = sh.make_mesh({"data": 2, "context": 4})
-    got, got_g = train.loss_and_grads(cfg, tc, variables, batch, mesh=mesh)
+    long = sh.make_mesh({"data": 2, "expert": 2, "context": 2})
+    got, got_g = train.loss_and_grads(cfg, tc, variables, batch, mesh=long, rules="train_long")
     out = {"want": {k: float(v) for k, v in want.items()}, "mesh": {k: float(v) for k, v in got.items()},
            "grad_rel": global_rel(want_g, got_g), "grad_norm": float(optax.tree.norm(want_g)),
            "specs": {"grad.embed": str(got_g["embed"][...].sharding.spec)}}
@@ -55,12 +57,14 @@ def _checks() -> dict:
                        "--eval-batches", "0", "--mesh", "context=8", "--json"])
     out["cli"] = {"rc": rc, **json.loads(text.getvalue().strip().splitlines()[-1])["final"]}
 
-    # The Pallas kernels (interpret mode) under sequence parallelism, against the XLA path on the same mesh: qat
+    # The Pallas kernels (interpret mode) under sequence parallelism, against the XLA path on the same mesh
+    # (data 2 × context 4, the `train` rules): qat
     # (the formats they read), a 5-layer plan with every layer kind, 128 tokens (one block a lane).
     ref, kern = (dsv41.load_config("passkey", [*KERNEL_SETS, f"runtime.kernels={mode}"])
                  for mode in ("reference", "pallas_interpret"))
     kbatch = next(data.Synthetic("passkey", ROWS, KERNEL_SEQ, seed=0))
     kvars = dsv41.init_params(ref, jax.random.key(0))
+    mesh = sh.make_mesh({"data": 2, "context": 4})
     jaxpr = str(train.make_train_step(kern, tc, mesh=mesh).jitted.trace(train.abstract_state(kern, tc), kbatch).jaxpr)
     out["kernel_calls"] = [name for name in ("sparse_attention", "indexer_scores") if f"name={name}" in jaxpr]
     want_k, want_kg = train.loss_and_grads(ref, tc, kvars, kbatch, mesh=mesh)
@@ -87,8 +91,9 @@ def test_sequence_parallel_loss_and_gradients_equal_one_device(results):
     for k in ("loss", "ce", "kl"):
         assert _rel(got[k], want[k]) <= TOL, (k, got, want)
     assert results["grad_rel"] <= TOL, results
-    # FSDP rules: the gradient is sharded like its parameter (embed over data × context; vocab over tensor, size 1)
-    assert results["specs"]["grad.embed"] == "P(None, ('data', 'context'))", results["specs"]
+    # FSDP rules: the gradient is sharded like its parameter (embed over data × expert × context; vocab over
+    # tensor, size 1)
+    assert results["specs"]["grad.embed"] == "P(None, ('data', 'expert', 'context'))", results["specs"]
 
 
 @pytest.mark.slow
