@@ -88,6 +88,7 @@ class TrainConfig:
     # Parameters kept as they are, by name on their path (comma-separated: "engram", "engram,embed"): no gradient
     # is taken for them and the optimiser holds no moments for them (`trainable`). V4.1-Flash's Engram tables
     # are 197B of its 748B parameters: frozen, the full-size step's state per chip 46.6 -> 23.8 GiB (README).
+    # The optimiser state's structure follows it: resume a run with the value it started with.
     frozen: str = ""
 
     def __post_init__(self):
@@ -487,8 +488,9 @@ def _loss_fn(cfg, tc: TrainConfig, lowering=None):
 def loss_and_grads(cfg, tc: TrainConfig, variables: nnx.State, batch: dict, *, mesh=None, rules="train"):
     """(metrics {loss, ce, kl}, gradients of the Param leaves) of one batch at `variables` (`init_params`'
     state), as `train_step` computes them before its update (no accumulation, no clipping): what the blockwise
-    and whole-sequence forwards are compared by, and what a custom optimiser loop can start from. mesh: run
-    on it under `rules` (as `make_train_step`); the gradients come back sharded like the parameters."""
+    and whole-sequence forwards are compared by, and what a custom optimiser loop can start from (every
+    parameter's, `train.frozen` ones too). mesh: run on it under `rules` (as `make_train_step`); the gradients
+    come back sharded like the parameters."""
     batch = _check_batch(cfg, batch)
     batch = with_engram_ids(cfg, batch)
     rules_items = ()
@@ -680,7 +682,7 @@ def _cached_step(key: str, tc: TrainConfig, mesh=None, rules_items: tuple = ()):
 
 def train_step_for(cfg, tc: TrainConfig, mesh=None, rules="train"):
     """`make_train_step`, compiled once per (config, TrainConfig, mesh, rules) in this process."""
-    from dsv41 import sharding  # sharding imports this module's neighbours; imported where used, as above
+    from dsv41 import sharding
 
     return _cached_step(model_lib.config_key(cfg), tc, mesh, () if mesh is None else sharding.rules_key(rules))
 

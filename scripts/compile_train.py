@@ -7,8 +7,8 @@
 Compiles `train.make_train_step` (the one the CLI runs) with abstract inputs — a TrainState sharded as
 `train.state_shardings` says (fp32 master weights and AdamW moments, FSDP over data × expert × context, experts over
 `expert`) and a batch of `--batch` rows of each length, rows over data × expert and each row's tokens over `context`
-(sequence parallel; `--rules train_long`: rows over data, tokens over expert × context) — and prints XLA's memory analysis per chip: arguments (the state and the batch), temporaries,
-and their sum against the chip's HBM. Needs libtpu (the `tpu` extra); nothing runs on a TPU.
+(sequence parallel; `--rules train_long`: rows over data, tokens over expert × context) — and prints XLA's memory
+analysis per chip: arguments (the state and the batch), temporaries, and their sum against the chip's HBM. Needs libtpu (the `tpu` extra); nothing runs on a TPU.
 """
 
 from __future__ import annotations
