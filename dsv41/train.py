@@ -811,10 +811,10 @@ def add_parser(subparsers):
                    help="train on a mesh of the local devices, e.g. context=8 or data=2,context=4 (rules `train`: "
                         "FSDP over data × expert, rows over data × expert, each row's tokens over context: "
                         "sequence parallel); --batch must divide over data × expert and --seq over context")
-    p.add_argument("--rules", choices=("train", "train_long"), default="train",
+    p.add_argument("--rules", choices=("train", "train_long"), default=None,
                    help="how --mesh splits a step: train (rows over data × expert, each row's tokens over context) "
                         "or train_long (rows over data only, each row's tokens over expert × context: fewer, longer "
-                        "rows; --batch must divide over data and --seq over expert × context)")
+                        "rows; --batch must divide over data and --seq over expert × context); needs --mesh")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     return p
 
@@ -827,6 +827,8 @@ def run(args) -> int:
     cfg = load_config(args.config, [s for s in args.set if not s.startswith("train.")])
     if args.steps < 0:
         raise ConfigError("--steps", args.steps, "expected a step count of 0 or more (0: score the starting weights)")
+    if args.rules is not None and args.mesh is None:
+        raise ConfigError("--rules", args.rules, "expected --mesh as well: the rules say how a mesh splits a step")
     tc = TrainConfig(total_steps=max(args.steps, 1)).replace(train_sets)
     synthetic = args.task in data_lib.TASKS
     if args.eval_every < 0 or (args.eval_every and not (synthetic and args.eval_batches > 0)):
@@ -878,7 +880,7 @@ def run(args) -> int:
     t0 = time.time()
     state, history = fit(cfg, tc, data, args.steps, seed=args.seed, checkpointer=ckpt, progress=progress,
                          initial=initial, evaluator=lambda st: evaluate(st, cfg, held_out), eval_every=args.eval_every,
-                         mesh=mesh, rules=args.rules)
+                         mesh=mesh, rules=args.rules or "train")
     bar.close()
     if ckpt is not None:
         ckpt.close()

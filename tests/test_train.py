@@ -453,7 +453,8 @@ def test_cli_parser():
                        (["--eval-every", "5", "--eval-batches", "0"], r"'--eval-every' = 5"),
                        (["--eval-batches", "-2"], r"'--eval-batches' = -2: expected a batch count"),
                        (["--prompt-loss-weight", "2"], r"'--prompt-loss-weight' = 2.0: expected a weight in \[0, 1\]"),
-                       (["--prompt-loss-weight", "0.2", "--task", "/nonexistent/tokens.npy"], r"'--prompt-loss-weight'")):
+                       (["--prompt-loss-weight", "0.2", "--task", "/nonexistent/tokens.npy"], r"'--prompt-loss-weight'"),
+                       (["--rules", "train_long"], r"'--rules' = 'train_long': expected --mesh as well")):
         with pytest.raises(dsv41.ConfigError, match=match):
             train.run(parser.parse_args(["train", "--config", "tiny", *bad]))
 
