@@ -84,7 +84,7 @@ class TrainConfig:
     kl_over: str = "selected"
     balance_rate: float = 1e-3  # γ of the bias update (DeepSeek-V3 uses 1e-3)
     remat: str = "none"
-    freeze_main: bool = False  # V3.2's indexer warm-up: only the indexer trains, on the KL alone
+    freeze_main: bool = False  # V3.2's indexer warm-up: only the indexer trains, on the KL alone (`trainable`)
     # Parameters kept as they are, by name on their path (comma-separated: "engram", "engram,embed"): no gradient
     # is taken for them and the optimiser holds no moments for them (`trainable`). V4.1-Flash's Engram tables
     # are 197B of its 748B parameters: frozen, the full-size step's state per chip 46.6 -> 23.8 GiB (README).
@@ -158,10 +158,12 @@ def split_variables(variables: nnx.State) -> tuple[nnx.State, nnx.State]:
 
 
 def trainable(tc: TrainConfig, params: nnx.State) -> tuple[nnx.State, nnx.State]:
-    """(the parameters the optimiser trains, those `tc.frozen` names), split by the names on each leaf's path
-    (`engram` holds `engram.{k}.table` and the Engram projections). A name no parameter carries is an error."""
+    """(the parameters the optimiser trains, the frozen ones), split by the names on each leaf's path: those
+    `tc.frozen` names (`engram` holds `engram.{k}.table` and the Engram projections) and, with `freeze_main`,
+    every one outside an `indexer`. A frozen parameter is not differentiated and holds no optimiser moments. A
+    name no parameter carries is an error."""
     names = tc.frozen_names
-    if not names:
+    if not names and not tc.freeze_main:
         return params, nnx.State({})
     flat = nnx.to_flat_state(params)
     keys = {str(k) for path, _ in flat for k in path}
@@ -169,7 +171,8 @@ def trainable(tc: TrainConfig, params: nnx.State) -> tuple[nnx.State, nnx.State]
     if missing:
         raise ConfigError("train.frozen", tc.frozen, f"no parameter path holds {missing[0]!r}; expected names such as "
                                                      "'engram', 'embed', 'head', 'ffn', 'attn'")
-    hit = lambda path: any(str(k) in names for k in path)
+    hit = lambda path: (any(str(k) in names for k in path)
+                        or (tc.freeze_main and not any(str(k) == "indexer" for k in path)))
     return (nnx.from_flat_state([(p, v) for p, v in flat if not hit(p)]),
             nnx.from_flat_state([(p, v) for p, v in flat if hit(p)]))
 
@@ -485,6 +488,9 @@ def _loss_fn(cfg, tc: TrainConfig, lowering=None):
     return losses
 
 
+TRAIN_RULES = ("train", "train_long")  # the `dsv41.sharding` presets a training mesh takes
+
+
 def loss_and_grads(cfg, tc: TrainConfig, variables: nnx.State, batch: dict, *, mesh=None, rules="train"):
     """(metrics {loss, ce, kl}, gradients of the Param leaves) of one batch at `variables` (`init_params`'
     state), as `train_step` computes them before its update (no accumulation, no clipping): what the blockwise
@@ -630,10 +636,6 @@ def make_train_step(cfg, tc: TrainConfig, *, mesh=None, rules="train"):
         (grads, ce_sum, kl_sum, load), _ = jax.lax.scan(
             accumulate, (zeros, jnp.zeros(()), jnp.zeros(()), load0), micro)
         updates, opt_state = opt.update(grads, state.opt_state, trained)
-        if tc.freeze_main:  # also stops weight decay from moving the frozen weights
-            updates = jax.tree_util.tree_map_with_path(
-                lambda path, u: u if any(getattr(k, "key", None) == "indexer" for k in path) else jnp.zeros_like(u),
-                updates)
         params = nnx.merge_state(optax.apply_updates(trained, updates), kept)
         buffers, imbalance = update_balance(cfg, state.buffers, load, tc.balance_rate)
         ce, kl = ce_sum / n_tokens, kl_sum / n_rows
@@ -811,7 +813,7 @@ def add_parser(subparsers):
                    help="train on a mesh of the local devices, e.g. context=8 or data=2,context=4 (rules `train`: "
                         "FSDP over data × expert, rows over data × expert, each row's tokens over context: "
                         "sequence parallel); --batch must divide over data × expert and --seq over context")
-    p.add_argument("--rules", choices=("train", "train_long"), default=None,
+    p.add_argument("--rules", choices=TRAIN_RULES, default=None,
                    help="how --mesh splits a step: train (rows over data × expert, each row's tokens over context) "
                         "or train_long (rows over data only, each row's tokens over expert × context: fewer, longer "
                         "rows; --batch must divide over data and --seq over expert × context); needs --mesh")

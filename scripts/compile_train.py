@@ -8,7 +8,8 @@ Compiles `train.make_train_step` (the one the CLI runs) with abstract inputs —
 `train.state_shardings` says (fp32 master weights and AdamW moments, FSDP over data × expert × context, experts over
 `expert`) and a batch of `--batch` rows of each length, rows over data × expert and each row's tokens over `context`
 (sequence parallel; `--rules train_long`: rows over data, tokens over expert × context) — and prints XLA's memory
-analysis per chip: arguments (the state and the batch), temporaries, and their sum against the chip's HBM. Needs libtpu (the `tpu` extra); nothing runs on a TPU.
+analysis per chip: arguments (the state and the batch), temporaries, and their sum against the chip's HBM. Needs
+libtpu (the `tpu` extra); nothing runs on a TPU.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", default="expert=64,context=8", help="axis sizes over the topology's chips")
     p.add_argument("--batch", type=int, default=64,
                    help="rows per step (a multiple of data × expert; under --rules train_long, of data)")
-    p.add_argument("--rules", choices=("train", "train_long"), default="train",
+    p.add_argument("--rules", choices=train.TRAIN_RULES, default="train",
                    help="train: rows over data × expert, tokens over context; train_long: rows over data, tokens "
                         "over expert × context")
     p.add_argument("--seqs", default="65536,131072", help="tokens per row, comma separated")

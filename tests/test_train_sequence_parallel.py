@@ -5,9 +5,8 @@ from the passkey task: the loss, its parts and the gradients of `train.loss_and_
 context 2 mesh under the `train_long` rules (each row's tokens over expert × context, 64 a device; the routed
 experts split over `expert`), and the first step of `dsv41 train --mesh context=8` (the `train` rules: each
 row's 256 tokens over 8 devices, 32 each: one query block per device), against `train.loss_and_grads` on one
-device. Tolerance: 1e-5 relative (fp32
-reductions in another order; observed ~3e-6 on the gradients, ~1e-7 on the loss). The checks run in a
-subprocess started with 8 devices (`conftest.run_on_devices`)."""
+device. Tolerance: 1e-5 relative (fp32 reductions in another order; observed ~3e-6 on the gradients, ~1e-7 on
+the loss). The checks run in a subprocess started with 8 devices (`conftest.run_on_devices`)."""
 
 from __future__ import annotations
 
