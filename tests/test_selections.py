@@ -18,6 +18,8 @@ from dsv41.errors import ConfigError
 from dsv41.plan import layer_plan
 from trees import global_rel
 
+import models
+
 HEADS = ["csa2.indexer.query_heads=16"]
 
 
@@ -30,9 +32,7 @@ def _tokens(cfg, b, s, seed=1):
 
 
 def _forward(cfg, variables, tokens, forced=None):
-    model = nnx_merge(cfg, variables)
-    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return model(jnp.asarray(tokens), pos, record=True, forced=forced)
+    return models.forward(cfg, variables, tokens, record=True, forced=forced)
 
 
 def nnx_merge(cfg, variables):

@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import dsv41
 from dsv41 import model as model_lib
 from dsv41 import selections, train
 from dsv41.errors import ConfigError
 from trees import global_rel
+
+import models
 
 
 # 16 indexer heads: with passkey's 4, scores summed in another order flip a near-tie top-k pick in one of
@@ -68,10 +69,9 @@ def test_blockwise_logits_and_records_equal_every_query_at_once(name, seq, block
 
     chosen = {kind: {layer: np.asarray(selections.flat(want_rec[layer])[kind]) for layer in layers}
               for kind, layers in selections.widths(dense).items()}
-    model = nnx.merge(model_lib.graphdef(model_lib.config_key(blockwise)), params)
-    pos = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), tokens.shape)
-    got, forced_rec = model(jnp.asarray(tokens), pos, record=True,
-                            forced=selections.check(blockwise, chosen, np.asarray(pos)))
+    pos = np.broadcast_to(np.arange(seq, dtype=np.int32), tokens.shape)
+    got, forced_rec = models.forward(blockwise, params, tokens, record=True,
+                                     forced=selections.check(blockwise, chosen, pos))
     scale = float(jnp.max(jnp.abs(want)))
     assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * scale
     for i, (w, g) in enumerate(zip(want_rec, forced_rec, strict=True)):

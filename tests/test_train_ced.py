@@ -14,6 +14,8 @@ from dsv41 import model as model_lib
 from dsv41 import steps, train
 from dsv41.errors import ConfigError
 
+import models
+
 PROMPT, RESPONSE = 80, 6
 
 
@@ -41,17 +43,14 @@ def test_ced_split_forward_equals_ced_serving(block):
     variables = model_lib.init_params(cfg, jax.random.key(0))
     tokens = np.asarray(jax.random.randint(jax.random.key(3), (2, PROMPT + RESPONSE), 0, 256), np.int32)
     want = _served(cfg, variables, tokens)
-    from flax import nnx
-    model = nnx.merge(model_lib.graphdef(model_lib.config_key(cfg)), variables)
-    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     start = train.decoder_window_start(cfg, np.full((2,), PROMPT), tokens.shape)
     assert list(start) == [PROMPT - cfg.swa_bounded_replay.decoder_replay_tokens] * 2
-    got = np.asarray(model(jnp.asarray(tokens), pos, decoder_window_start=jnp.asarray(start)))
+    got = np.asarray(models.forward(cfg, variables, tokens, decoder_window_start=jnp.asarray(start)))
     got = got[:, PROMPT - 1:PROMPT + RESPONSE - 1]
     scale = np.max(np.abs(want))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
     # and the split matters: every layer over every token (the full forward) differs from the served logits
-    full = np.asarray(model(jnp.asarray(tokens), pos))[:, PROMPT - 1:PROMPT + RESPONSE - 1]
+    full = np.asarray(models.forward(cfg, variables, tokens))[:, PROMPT - 1:PROMPT + RESPONSE - 1]
     assert np.max(np.abs(full - want)) > 1e-3 * scale
     # held-out scoring of such a batch runs the same split: its answer CE is the served logits' (NumPy, float64)
     mask = np.zeros((2, PROMPT + RESPONSE - 1), np.float32)
