@@ -12,7 +12,9 @@ On a GPU `auto` runs only the kernels seen compiling and running on one (an H200
 `tests/test_kernels_device.py` and `scripts/bench_kernels.py`): the indexer's. There the sparse attention's
 Triton body asked for 384 KB of shared memory at V4.1's widths (64 heads × 512, 128-key tiles; the H200 has
 227 KB) and the quantisers used `lax.round`, which Pallas' Triton lowering lacks, and a [512, 256] pair matrix
-(256 KB of shared memory) for the FP4 nibbles. `pallas` still runs them on a GPU.
+(256 KB of shared memory) for the FP4 nibbles. Both are reshaped since (the attention: 16 heads a program,
+32-key tiles in a loop; `sparse_attention.GPU_HEAD_BLOCK`) and lowered for CUDA on a CPU, but not yet compiled
+on a GPU, so `auto` keeps the reference for them there; `pallas` runs them.
 """
 
 from __future__ import annotations
@@ -81,11 +83,11 @@ def _per_device(fn, *args, layout=None, replicated: tuple[int, ...] = ()):
         *(args[i] for i in arrays))
 
 
-def _triton_can_take(h: int, k: int, block_keys: int) -> bool:
+def _triton_can_take(h: int, k: int, block_keys: int | None) -> bool:
     """Triton tiles are powers of two and its dots at least 16 wide (module doc of sparse_attention)."""
     def pow2(n):
         return n > 0 and n & (n - 1) == 0
-    return h >= 16 and pow2(h) and pow2(k) and pow2(block_keys)
+    return h >= 16 and pow2(h) and pow2(k) and pow2(block_keys or sparse_attention.default_block_keys("gpu"))
 
 
 def _attention_reference(impl: str, q, block_keys: int, layout) -> bool:
@@ -97,7 +99,7 @@ def _attention_reference(impl: str, q, block_keys: int, layout) -> bool:
 
 def sparse_decode_attention(q_BHK, window_values_BWK, window_scales_BWX, window_ok_BW, entries_BNK2,
                             entry_scales_BNX, picks_Bk, sink_H, scale: float, *, mode: str = "auto",
-                            block_keys: int = 128, layout=None):
+                            block_keys: int | None = None, layout=None):
     """`sparse_attention.sparse_decode_attention` or its reference, as `mode` says (same arguments)."""
     args = (q_BHK, window_values_BWK, window_scales_BWX, window_ok_BW, entries_BNK2, entry_scales_BNX, picks_Bk,
             sink_H, scale)
@@ -111,7 +113,7 @@ def sparse_decode_attention(q_BHK, window_values_BWK, window_scales_BWX, window_
 
 def sparse_attention_chunk(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2,
                            entry_scales_BNX, picks_BSk, sink_H, scale: float, *, mode: str = "auto",
-                           block_keys: int = 128, layout=None):
+                           block_keys: int | None = None, layout=None):
     """`sparse_attention.sparse_attention` (S queries a row) or its reference, as `mode` says."""
     args = (q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2, entry_scales_BNX, picks_BSk,
             sink_H, scale)
@@ -124,7 +126,7 @@ def sparse_attention_chunk(q_BSHK, window_values_BTK, window_scales_BTX, window_
 
 
 def sparse_attention_train(q_BSHK, window_BTK, window_ok_BST, entries_BNK, entry_bytes_BNK2, entry_scales_BNX,
-                           picks_BSk, sink_H, scale: float, *, mode: str = "auto", block_keys: int = 128, layout=None):
+                           picks_BSk, sink_H, scale: float, *, mode: str = "auto", block_keys: int | None = None, layout=None):
     """The training forward's attention (`sparse_attention.sparse_attention_train`: the chunk kernel forward,
     the reference's gradients) or, where `mode` says so or Triton cannot tile the shape, the reference."""
     impl = resolve(mode, platform(layout), "attention")

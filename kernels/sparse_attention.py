@@ -4,16 +4,18 @@ Per query (one per row at decode, S per row in a prefill chunk) with H heads sha
 == value): one softmax over the valid FP8 window keys, the valid FP4 entries the indexer picked and the
 per-head sink (denominator only); a query with nothing valid gives 0, as `attend.attend_step`.
 
-Kernel (one body for interpret mode, Mosaic TPU and Triton GPU; grid = one program per query):
-- each KV tile (`block_keys` keys) is dequantised ONCE from its bytes in VMEM/registers and shared by all H
-  heads as one [H, K] x [K, tile] matmul; decode reads every byte of the tile once (it is memory-bound);
+Kernel (one body for interpret mode, Mosaic TPU and Triton GPU; grid = one program per query and head block,
+all heads in one block except on a GPU):
+- each KV tile (`block_keys` keys) is dequantised ONCE from its bytes in VMEM/registers and shared by the
+  block's heads as one [H, K] x [K, tile] matmul; decode reads every byte of the tile once per head block (it
+  is memory-bound);
 - online softmax over the tiles (flash-decoding), started from the sink: m = sink, l = 1, acc = 0, so the
   sink is a key with a zero value and no row can divide by zero;
 - the FP4 entries are never re-interleaved inside the kernel: the low nibbles are the even channels and the
   high nibbles the odd ones, so the logits are q_even·lo + q_odd·hi and the output gathers p·lo and p·hi
   into two half accumulators that the wrapper interleaves (a [B, S, H, K] op, tiny next to the cache).
-- the tiles are unrolled statically (window W/tile + picks k/tile, e.g. 1 + 4 at full size): no scratch,
-  no sequential grid axis, which Triton does not have.
+- the tiles are unrolled statically on TPU (window W/tile + picks k/tile, e.g. 1 + 4 at full size) and a
+  `fori_loop` on a GPU: no scratch, no sequential grid axis, which Triton does not have.
 Where the picked rows are gathered, and why: Mosaic (libtpu 0.0.42) refuses a DMA of one row of an 8-bit
 array (8-bit arrays are tiled 32 rows deep and a DMA's offset and size along that dimension must be
 multiples of 32), so neither scalar-prefetched index maps nor manual async copies can fetch a single picked
@@ -43,6 +45,15 @@ from dsv41.kv_store import dequant_entries, dequant_window, from_words, gather_r
 from dsv41.nn.attend import attend_step
 
 HI = lax.Precision.HIGHEST
+# Heads per program on a GPU: 16 is Triton's smallest dot tile; all 64 of V4.1-Flash's heads in one program asked
+# 384 KiB of shared memory on an H200 (227 KiB there; docs/gpu.md).
+GPU_HEAD_BLOCK = 16
+
+
+def default_block_keys(backend: str) -> int:
+    """Keys a tile: 128 (a TPU's lane width), 32 on a GPU (a [32, K] bf16 key tile is 32 KiB of shared memory at
+    V4.1's K = 512, where 128 keys were 128 KiB)."""
+    return 32 if backend == "gpu" else 128
 
 
 def ring_valid(lengths_B, window_start_B, window: int):
@@ -68,7 +79,7 @@ def _dot(a, b, precision):
 
 def _attention_kernel(win_ok_ref, sel_ok_ref, q_ref, q_even_ref, q_odd_ref, win_vals_ref, win_scales_ref,
                       sel_vals_ref, sel_scales_ref, sink_ref, out_ref, out_even_ref, out_odd_ref, *,
-                      tile: int, scale: float, precision):
+                      tile: int, scale: float, precision, tile_loop: bool):
     q = q_ref[...]
     q_even, q_odd = q_even_ref[...], q_odd_ref[...]
     dt = q.dtype
@@ -84,13 +95,16 @@ def _attention_kernel(win_ok_ref, sel_ok_ref, q_ref, q_even_ref, q_odd_ref, win_
         alpha, p = jnp.exp(m - m_new), jnp.exp(logits - m_new)
         return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha, p.astype(dt)
 
-    for i in range(win_vals_ref.shape[0] // tile):                    # window tiles: FP8 E4M3, UE8M0 per 32
+    def window_tile(i, carry):                                         # FP8 E4M3 keys, UE8M0 per 32
+        m, l, acc, acc_even, acc_odd = carry
         rows = pl.ds(i * tile, tile)
         keys = qp.dequantize_fp8_tile(win_vals_ref[rows, :].astype(jnp.int32),
                                       win_scales_ref[rows, :].astype(jnp.int32)).astype(dt)
         m, l, alpha, p = update(m, l, _dot_t(q, keys, precision), win_ok_ref[:, rows])
-        acc, acc_even, acc_odd = alpha * acc + _dot(p, keys, precision), alpha * acc_even, alpha * acc_odd
-    for i in range(sel_vals_ref.shape[0] // tile):                    # picked entries: FP4 E2M1, E4M3 per 16
+        return m, l, alpha * acc + _dot(p, keys, precision), alpha * acc_even, alpha * acc_odd
+
+    def picked_tile(i, carry):                                         # FP4 E2M1 entries, E4M3 per 16
+        m, l, acc, acc_even, acc_odd = carry
         rows = pl.ds(i * tile, tile)
         b = sel_vals_ref[rows, :].astype(jnp.int32)                  # [tile, K/2]: byte j = channels 2j, 2j+1
         s = qp.decode_e4m3(sel_scales_ref[rows, :].astype(jnp.int32))  # [tile, K/16]
@@ -99,9 +113,16 @@ def _attention_kernel(win_ok_ref, sel_ok_ref, q_ref, q_even_ref, q_odd_ref, win_
         lo, hi = (qp.decode_e2m1(b & 15) * s).astype(dt), (qp.decode_e2m1(b >> 4) * s).astype(dt)
         logits = _dot_t(q_even, lo, precision) + _dot_t(q_odd, hi, precision)
         m, l, alpha, p = update(m, l, logits, sel_ok_ref[:, rows])
-        acc = alpha * acc
-        acc_even = alpha * acc_even + _dot(p, lo, precision)
-        acc_odd = alpha * acc_odd + _dot(p, hi, precision)
+        return m, l, alpha * acc, alpha * acc_even + _dot(p, lo, precision), alpha * acc_odd + _dot(p, hi, precision)
+
+    carry = (m, l, acc, acc_even, acc_odd)
+    for body, n in ((window_tile, win_vals_ref.shape[0] // tile), (picked_tile, sel_vals_ref.shape[0] // tile)):
+        if tile_loop:
+            carry = lax.fori_loop(0, n, body, carry)
+        else:
+            for i in range(n):
+                carry = body(i, carry)
+    m, l, acc, acc_even, acc_odd = carry
     out_ref[...] = acc / l
     out_even_ref[...] = acc_even / l
     out_odd_ref[...] = acc_odd / l
@@ -116,7 +137,7 @@ def _pad_axis(x, axis: int, size: int, value=0):
 def _compiler_params(backend: str):
     if backend == "tpu":
         from jax.experimental.pallas import tpu as pltpu
-        return pltpu.CompilerParams(dimension_semantics=("parallel",))
+        return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"))
     if backend == "gpu":
         from jax.experimental.pallas import triton as pltr
         return pltr.CompilerParams(num_warps=4, num_stages=1)
@@ -124,8 +145,8 @@ def _compiler_params(backend: str):
 
 
 def sparse_attention(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST, entries_BNK2, entry_scales_BNX,
-                     picks_BSk, sink_H, scale: float, *, block_keys: int = 128, interpret: bool = False,
-                     backend: str | None = None):
+                     picks_BSk, sink_H, scale: float, *, block_keys: int | None = None, interpret: bool = False,
+                     backend: str | None = None, head_block: int | None = None, tile_loop: bool | None = None):
     """Prefill/training chunk: S queries per row, each with its own window mask and picks.
 
     q [B, S, H, K] (float32 or bfloat16); window value bytes uint8 [B, Tw, K] (FP8 E4M3) and scale bytes
@@ -134,6 +155,10 @@ def sparse_attention(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST
     as uint16 words [B, N, K/4], `kv_store.to_words`) and E4M3 scale bytes uint8 [B, N, K/16];
     picks int32 [B, S, k] into N (−1: skip); sink [H]. Returns [B, S, H, K] in q's dtype. The window tile is
     dequantised per query here (the decode case, S = 1, is the one that must not re-read it).
+    block_keys: keys a tile (default `default_block_keys(backend)`); head_block: heads per program (default: all
+    of them; on a GPU `GPU_HEAD_BLOCK`, whose [heads, K] accumulators fit a program's registers); tile_loop: the
+    key tiles in a `fori_loop` instead of unrolled (default: on a GPU, where Triton took minutes over unrolled
+    tiles). None of them changes what is computed.
     """
     b, s, h, k = q_BSHK.shape
     t_win, n_sel = window_values_BTK.shape[1], picks_BSk.shape[-1]
@@ -149,9 +174,16 @@ def sparse_attention(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST
     if entries_BNK2.shape != (b, entries_BNK2.shape[1], k // 2 // per):
         raise ValueError(f"entries.shape={entries_BNK2.shape}: expected (B, N, K/2) = ({b}, N, {k // 2}) bytes"
                          f" (uint16 words: K/4 = {k // 4})")
+    backend = backend or jax.default_backend()
+    block_keys = default_block_keys(backend) if block_keys is None else block_keys
     if block_keys <= 0 or block_keys % 32:
         raise ValueError(f"block_keys={block_keys}: expected a positive multiple of 32 (8-bit tiles are 32 rows)")
-    backend = backend or jax.default_backend()
+    if head_block is None:
+        head_block = GPU_HEAD_BLOCK if backend == "gpu" and h % GPU_HEAD_BLOCK == 0 else h
+    if head_block <= 0 or h % head_block:
+        raise ValueError(f"head_block={head_block}: expected a positive divisor of the {h} heads")
+    tile_loop = backend == "gpu" if tile_loop is None else tile_loop
+    hb = head_block
     tile = block_keys
     t_pad, k_pad = -(-t_win // tile) * tile, -(-n_sel // tile) * tile
     rows = b * s
@@ -168,24 +200,29 @@ def sparse_attention(q_BSHK, window_values_BTK, window_scales_BTX, window_ok_BST
         win_scales=_pad_axis(window_scales_BTX, 1, t_pad), sel_vals=_pad_axis(sel_vals, 1, k_pad),
         sel_scales=_pad_axis(sel_scales, 1, k_pad), sink=sink_H.astype(jnp.float32).reshape(h, 1))
 
+    # Grid: (query, head block); every head block of a query reads the same key tiles.
     def per_query(*tail):
-        return pl.BlockSpec((None, *tail), lambda r: (r,) + (0,) * len(tail))
+        return pl.BlockSpec((None, *tail), lambda r, j: (r,) + (0,) * len(tail))
+
+    def per_heads(width):
+        return pl.BlockSpec((None, hb, width), lambda r, j: (r, j, 0))
 
     def per_row(*tail):  # the window is the row's, shared by its S queries
-        return pl.BlockSpec((None, *tail), lambda r: (r // s,) + (0,) * len(tail))
+        return pl.BlockSpec((None, *tail), lambda r, j: (r // s,) + (0,) * len(tail))
 
-    in_specs = [per_query(1, t_pad), per_query(1, k_pad), per_query(h, k), per_query(h, k // 2),
-                per_query(h, k // 2), per_row(t_pad, k), per_row(t_pad, k // 32), per_query(k_pad, k // 2),
-                per_query(k_pad, k // 16), pl.BlockSpec((h, 1), lambda r: (0, 0))]
+    in_specs = [per_query(1, t_pad), per_query(1, k_pad), per_heads(k), per_heads(k // 2), per_heads(k // 2),
+                per_row(t_pad, k), per_row(t_pad, k // 32), per_query(k_pad, k // 2), per_query(k_pad, k // 16),
+                pl.BlockSpec((hb, 1), lambda r, j: (j, 0))]
     precision = HI if q.dtype == jnp.float32 else None
     out, out_even, out_odd = pl.pallas_call(
-        functools.partial(_attention_kernel, tile=tile, scale=float(scale), precision=precision),
+        functools.partial(_attention_kernel, tile=tile, scale=float(scale), precision=precision,
+                          tile_loop=tile_loop),
         out_shape=(jax.ShapeDtypeStruct((rows, h, k), jnp.float32),
                    jax.ShapeDtypeStruct((rows, h, k // 2), jnp.float32),
                    jax.ShapeDtypeStruct((rows, h, k // 2), jnp.float32)),
-        grid=(rows,),
+        grid=(rows, h // hb),
         in_specs=in_specs,
-        out_specs=(per_query(h, k), per_query(h, k // 2), per_query(h, k // 2)),
+        out_specs=(per_heads(k), per_heads(k // 2), per_heads(k // 2)),
         compiler_params=None if interpret else _compiler_params(backend),
         interpret=interpret,
         # Two [H, K] x [K, keys] matmuls per query; the bytes are the tiles, q and the outputs.

@@ -75,6 +75,25 @@ def test_prefill_chunk_matches_reference():
     assert not np.asarray(got[1, 2]).any()
 
 
+def test_the_gpu_body_matches_reference():
+    """The GPU's shape of the kernel (heads in blocks of 16 a program, the key tiles in a fori_loop, 32-key tiles)
+    computes the same as the reference: 32 heads (two blocks), a chunk of 3 queries a row."""
+    rng = np.random.default_rng(2)
+    h, s, t = 32, 3, W + 3
+    window_ok = jnp.asarray(rng.random((B, s, t)) < 0.6).at[1, 2].set(False)
+    picks = jnp.asarray(rng.integers(-1, N, (B, s, TOP_K)), jnp.int32).at[1, 2].set(-1)
+    args = (jnp.asarray(rng.standard_normal((B, s, h, K)), jnp.float32), *_store(rng, t, qp.quant.FP8_UE8M0_32),
+            window_ok, *_store(rng, N, qp.quant.FP4_E4M3_16), picks,
+            jnp.asarray(rng.standard_normal(h), jnp.float32), 0.3)
+    want = _jit(sa.sparse_attention_reference, 8)(*args)
+    got = _jit(lambda *a: sa.sparse_attention(*a, block_keys=sa.default_block_keys("gpu"), interpret=True,
+                                              head_block=sa.GPU_HEAD_BLOCK, tile_loop=True), 8)(*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(got[1, 2]).any() and np.abs(np.asarray(want)).max() > 0.1
+    with pytest.raises(ValueError, match="head_block=12: expected a positive divisor of the 32 heads"):
+        sa.sparse_attention(*args, interpret=True, head_block=12)
+
+
 def test_dispatch_modes():
     assert dispatch.resolve("auto", "cpu") == "reference"
     assert dispatch.resolve("auto", "tpu") == "pallas" and dispatch.resolve("auto", "gpu") == "pallas"
@@ -101,5 +120,15 @@ def test_gpu_variant_lowers_for_cuda():
     lowered = jax.jit(f).trace(
         spec((2, h, k), jnp.bfloat16), spec((2, w, k), u8), spec((2, w, k // 32), u8), spec((2, w), jnp.bool_),
         spec((2, n, k // 2), u8), spec((2, n, k // 16), u8), spec((2, top), jnp.int32), spec((h,), jnp.float32),
+    ).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text().lower()
+    # and at V4.1-Flash's widths (64 heads × 512, window 128, 512 picks), a prefill chunk of 4 queries a row,
+    # with the GPU's defaults (16 heads a program, 32-key tiles in a loop): an H200 refused all 64 heads at once
+    h, k, w, top, s = 64, 512, 128, 512, 4
+    f = lambda *a: sa.sparse_attention(*a, k ** -0.5, backend="gpu")  # noqa: E731
+    lowered = jax.jit(f).trace(
+        spec((2, s, h, k), jnp.bfloat16), spec((2, w + s, k), u8), spec((2, w + s, k // 32), u8),
+        spec((2, s, w + s), jnp.bool_), spec((2, 4096, k // 2), u8), spec((2, 4096, k // 16), u8),
+        spec((2, s, top), jnp.int32), spec((h,), jnp.float32),
     ).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text().lower()
