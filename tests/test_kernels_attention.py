@@ -60,15 +60,19 @@ def test_decode_matches_reference(dtype, tol):
     assert np.abs(np.asarray(want[:2], np.float32)).max() > 0.1
 
 
-def test_prefill_chunk_matches_reference():
-    # S = 3 queries a row, each with its own window mask and picks, over [ring | new tokens] keys.
-    rng = np.random.default_rng(1)
+def _chunk_case(rng, h):
+    """A prefill chunk's arguments: S = 3 queries a row, each with its own window mask and picks, over [ring |
+    new tokens] keys; row 1's last query sees nothing."""
     s, t = 3, W + 3
     window_ok = jnp.asarray(rng.random((B, s, t)) < 0.6).at[1, 2].set(False)
     picks = jnp.asarray(rng.integers(-1, N, (B, s, TOP_K)), jnp.int32).at[1, 2].set(-1)
-    args = (jnp.asarray(rng.standard_normal((B, s, H, K)), jnp.float32), *_store(rng, t, qp.quant.FP8_UE8M0_32),
+    return (jnp.asarray(rng.standard_normal((B, s, h, K)), jnp.float32), *_store(rng, t, qp.quant.FP8_UE8M0_32),
             window_ok, *_store(rng, N, qp.quant.FP4_E4M3_16), picks,
-            jnp.asarray(rng.standard_normal(H), jnp.float32), 0.3)
+            jnp.asarray(rng.standard_normal(h), jnp.float32), 0.3)
+
+
+def test_prefill_chunk_matches_reference():
+    args = _chunk_case(np.random.default_rng(1), H)
     want = _jit(sa.sparse_attention_reference, 8)(*args)
     got = _jit(lambda *a: dispatch.sparse_attention_chunk(*a, mode="pallas_interpret", block_keys=64), 8)(*args)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -78,13 +82,7 @@ def test_prefill_chunk_matches_reference():
 def test_the_gpu_body_matches_reference():
     """The GPU's shape of the kernel (heads in blocks of 16 a program, the key tiles in a fori_loop, 32-key tiles)
     computes the same as the reference: 32 heads (two blocks), a chunk of 3 queries a row."""
-    rng = np.random.default_rng(2)
-    h, s, t = 32, 3, W + 3
-    window_ok = jnp.asarray(rng.random((B, s, t)) < 0.6).at[1, 2].set(False)
-    picks = jnp.asarray(rng.integers(-1, N, (B, s, TOP_K)), jnp.int32).at[1, 2].set(-1)
-    args = (jnp.asarray(rng.standard_normal((B, s, h, K)), jnp.float32), *_store(rng, t, qp.quant.FP8_UE8M0_32),
-            window_ok, *_store(rng, N, qp.quant.FP4_E4M3_16), picks,
-            jnp.asarray(rng.standard_normal(h), jnp.float32), 0.3)
+    args = _chunk_case(np.random.default_rng(2), 32)
     want = _jit(sa.sparse_attention_reference, 8)(*args)
     got = _jit(lambda *a: sa.sparse_attention(*a, block_keys=sa.default_block_keys("gpu"), interpret=True,
                                               head_block=sa.GPU_HEAD_BLOCK, tile_loop=True), 8)(*args)
