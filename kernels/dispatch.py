@@ -90,7 +90,7 @@ def _triton_can_take(h: int, k: int, block_keys: int | None) -> bool:
     return h >= 16 and pow2(h) and pow2(k) and pow2(block_keys or sparse_attention.default_block_keys("gpu"))
 
 
-def _attention_reference(impl: str, q, block_keys: int, layout) -> bool:
+def _attention_reference(impl: str, q, block_keys: int | None, layout) -> bool:
     """The reference runs when `impl` says so, or on GPU for a shape Triton cannot tile."""
     h, k = q.shape[-2:]
     return impl == "reference" or (impl == "pallas" and platform(layout) == "gpu"
@@ -126,7 +126,8 @@ def sparse_attention_chunk(q_BSHK, window_values_BTK, window_scales_BTX, window_
 
 
 def sparse_attention_train(q_BSHK, window_BTK, window_ok_BST, entries_BNK, entry_bytes_BNK2, entry_scales_BNX,
-                           picks_BSk, sink_H, scale: float, *, mode: str = "auto", block_keys: int | None = None, layout=None):
+                           picks_BSk, sink_H, scale: float, *, mode: str = "auto", block_keys: int | None = None,
+                           layout=None):
     """The training forward's attention (`sparse_attention.sparse_attention_train`: the chunk kernel forward,
     the reference's gradients) or, where `mode` says so or Triton cannot tile the shape, the reference."""
     impl = resolve(mode, platform(layout), "attention")
