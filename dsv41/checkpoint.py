@@ -45,6 +45,11 @@ class Checkpointer:
         return self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)), force=force)
 
+    def restore_data(self, step: int | None = None) -> dict:
+        """The JSON saved beside the state at `step` (default: the newest complete one), without the state."""
+        step = self.latest_step() if step is None else step
+        return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+
     def restore(self, abstract_state, step: int | None = None, shardings=None, cfg=None):
         """(state, data_state) of `step` (default: the newest complete one).
 

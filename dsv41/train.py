@@ -730,6 +730,9 @@ def evaluate(state: TrainState, cfg, batches: list[dict]) -> dict:
     return {"exact_match": float(hits.mean()), "answer_ce": float(ce.sum() / tokens.sum()), "rows": len(hits)}
 
 
+_TRAINED_AS = "trained_as"  # the key of `fit`'s checkpoints' JSON that records tc.frozen and tc.freeze_main
+
+
 def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=None, progress=None,
         initial: nnx.State | None = None, evaluator=None, eval_every: int = 0,
         mesh=None, rules="train") -> tuple[TrainState, list[dict]]:
@@ -744,12 +747,20 @@ def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=N
     `rules` (`train`: FSDP, rows over data × expert, tokens over context; `train_long`: rows over data, tokens
     over expert × context; `make_train_step`).
     """
-    step_fn = train_step_for(cfg, tc, mesh, rules)
+    # Which parameters train decides the optimiser state's structure (`trainable`): saved beside the data
+    # iterator's state, so that a resume with other values says so instead of failing inside orbax.
+    trained_as = {"frozen": tc.frozen, "freeze_main": tc.freeze_main}
     state, start = None, 0
     if checkpointer is not None and checkpointer.latest_step() is not None:
+        saved = checkpointer.restore_data().get(_TRAINED_AS)  # None in checkpoints written before it was saved
+        for name in trained_as if saved is not None else ():
+            if saved.get(name) != trained_as[name]:
+                raise ConfigError(f"train.{name}", trained_as[name], f"expected {saved.get(name)!r}, the value the "
+                                  f"checkpoints in {checkpointer.directory} were written with")
         state, data_state = checkpointer.restore(abstract_state(cfg, tc), cfg=cfg)
-        data.restore(data_state)
+        data.restore({k: v for k, v in data_state.items() if k != _TRAINED_AS})
         start = int(state.step)
+    step_fn = train_step_for(cfg, tc, mesh, rules)
     if state is None:
         state = init_state(cfg, tc, jax.random.key(seed), initial)
     if mesh is not None:
@@ -762,7 +773,7 @@ def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=N
             metrics.update({f"eval_{k}": v for k, v in evaluator(state).items()})
         history.append(metrics)
         if checkpointer is not None:
-            checkpointer.save(step + 1, state, data.state(), force=step + 1 == steps)
+            checkpointer.save(step + 1, state, {**data.state(), _TRAINED_AS: trained_as}, force=step + 1 == steps)
         if progress is not None:
             progress(step + 1, metrics)
     if checkpointer is not None:

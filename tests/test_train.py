@@ -212,6 +212,11 @@ def test_loss_decreases_and_resume_is_exact(cfg, tmp_path):
         assert ck.all_steps() == [3, 6]
     assert [m["loss"] for m in first + second] == [m["loss"] for m in straight]
     assert int(state.step) == 6
+    # the optimiser state's structure follows which parameters train: a resume with others is refused by name
+    for other, field in ((TC.replace({"freeze_main": "true"}), "train.freeze_main"),
+                         (TC.replace({"frozen": "embed"}), "train.frozen")):
+        with Checkpointer(tmp_path / "ckpt", every=3, keep=2) as ck, pytest.raises(dsv41.ConfigError, match=field):
+            train.fit(cfg, other, passkey(), 9, checkpointer=ck)
 
 
 def test_killed_save_resumes_from_last_complete(cfg, tmp_path):
