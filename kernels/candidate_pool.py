@@ -17,7 +17,9 @@ across chunks of `chunk` pool blocks (the next chunk's copies are in flight whil
 The store is read in XLA's layout for it, T minor (indexer_scores.store_view), where a DMA must cover
 whole 128-entry lane tiles: each pool block brings the 128-entry tile holding it (8 KiB of keys for
 512 B used at block 8; 17 MiB per query at 2048 blocks against 71 MiB for the whole 1M-entry store),
-the kernel scores the tile and XLA keeps the block's `block` lanes. A cache layout that keeps a pool
+the kernel scores the tile and XLA keeps the block's `block` lanes. A store whose length is not a multiple of
+128 (1,000,000 decoder entries in a 1M-token cache) brings its last, partial tile from a padded copy of that
+tile alone (its padding is never visible). A cache layout that keeps a pool
 block contiguous (e.g. [B, T/block, block·dI/2]) would cut that 16×; the layout is cache.py's to choose.
 GPU (Triton, for the reasons in indexer_scores.py): gather loads of exactly the pool's rows, with the
 per-byte scales gathered by index (no where-chain), scores written compact.
@@ -75,27 +77,46 @@ def scores_and_pool_reference(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, p
 # ------------------------------------------------------------------ Reindex: scores over the gathered pool
 
 
-def _tpu_pool_kernel(tiles_ref, keys_hbm, scales_hbm, qe_ref, qo_ref, w_ref, out_ref, kbuf, sbuf, sems, *,
-                     n_s: int, n_pad: int, chunk: int):
-    """One (row b, query s, chunk c): scores [chunk, 128] of the store tiles holding the chunk's blocks."""
+def _tpu_pool_kernel(tiles_ref, keys_hbm, scales_hbm, *refs, n_s: int, n_pad: int, chunk: int, whole: int,
+                     tail: bool):
+    """One (row b, query s, chunk c): scores [chunk, 128] of the store tiles holding the chunk's blocks. Tiles
+    0 … whole − 1 are read from the store; with `tail` (a store whose length is not a multiple of 128) tile
+    `whole` from the two tail inputs after the store's, that partial tile padded to 128 entries."""
+    tail_keys_hbm, tail_scales_hbm = refs[:2] if tail else (None, None)
+    qe_ref, qo_ref, w_ref, out_ref, kbuf, sbuf, sems = refs[2:] if tail else refs
     b, s, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     base = (b * n_s + s) * n_pad
     half = kbuf.shape[2]
 
     def copies(index, slot, g):
+        """(tile, its copies from the store or None, its copies from the padded tail or None)."""
         tile = tiles_ref[base + index * chunk + g]
-        lanes = pl.ds(pl.multiple_of(jnp.maximum(tile, 0) * LANES, LANES), LANES)
-        return tile, (pltpu.make_async_copy(keys_hbm.at[b, :, lanes], kbuf.at[slot, g], sems.at[0, slot]),
+        stored = padded = None
+        if whole:  # the store's own tiles (absent when it is shorter than one tile)
+            lanes = pl.ds(pl.multiple_of(jnp.clip(tile, 0, whole - 1) * LANES, LANES), LANES)
+            stored = (pltpu.make_async_copy(keys_hbm.at[b, :, lanes], kbuf.at[slot, g], sems.at[0, slot]),
                       pltpu.make_async_copy(scales_hbm.at[b, :, lanes], sbuf.at[slot, g], sems.at[1, slot]))
+        if tail_keys_hbm is not None:
+            padded = (pltpu.make_async_copy(tail_keys_hbm.at[b], kbuf.at[slot, g], sems.at[0, slot]),
+                      pltpu.make_async_copy(tail_scales_hbm.at[b], sbuf.at[slot, g], sems.at[1, slot]))
+        return tile, stored, padded
+
+    def each_copy(tile, stored, padded, act):
+        """act(copy) for the copies tile needs: none for a −1 block (its lanes are masked in XLA)."""
+        if stored is not None:
+            @pl.when((tile >= 0) & (tile < whole))
+            def _():
+                for cp in stored:
+                    act(cp)
+        if padded is not None:
+            @pl.when(tile == whole)
+            def _():
+                for cp in padded:
+                    act(cp)
 
     def start(index, slot):
         def one(g, carry):
-            tile, pair = copies(index, slot, g)
-
-            @pl.when(tile >= 0)  # a −1 block is never fetched; its lanes are masked in XLA
-            def _():
-                for cp in pair:
-                    cp.start()
+            each_copy(*copies(index, slot, g), lambda cp: cp.start())
             return carry
         lax.fori_loop(0, chunk, one, 0)
 
@@ -110,12 +131,7 @@ def _tpu_pool_kernel(tiles_ref, keys_hbm, scales_hbm, qe_ref, qo_ref, w_ref, out
     slot = c % 2
 
     def score(g, carry):
-        tile, pair = copies(c, slot, g)
-
-        @pl.when(tile >= 0)
-        def _():
-            for cp in pair:
-                cp.wait()
+        each_copy(*copies(c, slot, g), lambda cp: cp.wait())
         scale = isc.scale_per_byte(lambda i: sbuf[slot, g, pl.ds(i, 1), :].astype(jnp.int32),
                                    (half, LANES), 0)
         k_even, k_odd = isc.dequant_tile(kbuf[slot, g], scale)                 # [dI/2, 128]
@@ -168,13 +184,16 @@ def pool_scores(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, 
     if backend == "tpu":
         per_tile = LANES // block
         tiles = jnp.where(ids >= 0, ids // per_tile, -1)
-        if t % LANES:
-            raise ValueError(f"index_keys.shape[1]={t}: the TPU pool kernel reads whole {LANES}-entry tiles; "
-                             f"expected a multiple of {LANES}")
         keys_view, scales_view = isc.store_view(index_keys_BTh, index_scales_BTc)
+        # A DMA covers whole 128-entry tiles: the last tile of a store whose length is not a multiple of 128
+        # (a 1M-token cache) comes padded from a copy of that tile alone (its padding is never visible).
+        whole, rest = divmod(t, LANES)
+        tails = [jnp.pad(v[:, :, whole * LANES:], [(0, 0), (0, 0), (0, LANES - rest)])
+                 for v in (keys_view, scales_view)] if rest else []
+        any_spec = pl.BlockSpec(memory_space=pl.ANY)
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(b, s, n_chunks),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY),
+            in_specs=[any_spec, any_spec, *[any_spec for _ in tails],
                       pl.BlockSpec((None, None, j, half), lambda bi, si, ci, tl: (bi, si, 0, 0)),
                       pl.BlockSpec((None, None, j, half), lambda bi, si, ci, tl: (bi, si, 0, 0)),
                       pl.BlockSpec((None, None, 8, j), lambda bi, si, ci, tl: (bi, si, 0, 0))],
@@ -182,7 +201,8 @@ def pool_scores(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, 
             scratch_shapes=[pltpu.VMEM((2, chunk, half, LANES), jnp.uint8),
                             pltpu.VMEM((2, chunk, d // 32, LANES), jnp.uint8),
                             pltpu.SemaphoreType.DMA((2, 2))])
-        kernel = functools.partial(_tpu_pool_kernel, n_s=s, n_pad=n_pad, chunk=chunk)
+        kernel = functools.partial(_tpu_pool_kernel, n_s=s, n_pad=n_pad, chunk=chunk, whole=whole,
+                                   tail=bool(rest))
         bytes_moved, flops = pool_scores_cost(b, s, n, block, j, d, backend="tpu")
         out = pl.pallas_call(
             kernel, grid_spec=grid_spec, interpret=interpret,
@@ -190,7 +210,7 @@ def pool_scores(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, 
             # The chunk axis carries the double buffer from step to step: it must run in order.
             compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
             cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=bytes_moved),
-        )(tiles.reshape(-1), keys_view, scales_view, qe, qo, w)
+        )(tiles.reshape(-1), keys_view, scales_view, *tails, qe, qo, w)
         # Keep each block's own `block` lanes of its tile.
         lane = (jnp.maximum(ids[..., :n], 0) % per_tile * block)[..., None] + jnp.arange(block)
         raw = jnp.take_along_axis(out[:, :, :n], lane, axis=-1).reshape(b, s, n * block)

@@ -166,6 +166,32 @@ def test_pool_scores_and_top_k(backend):
     assert_same_picks(got, want, by_entry)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("t", [344, 100])
+def test_pool_scores_read_a_store_that_ends_inside_a_tile(backend, t):
+    """A store whose length is not a multiple of the TPU's 128-entry lane tile (a 1M-token cache holds
+    1,000,000 decoder entries): blocks in its last, partial tile — or in its only tile — score as the
+    reference does."""
+    rng = np.random.default_rng(11)
+    keys, scales = packed_store(rng, 2, t)
+    q, w = queries(rng, 2, 2, 4)
+    last = t // 8 - 1                                   # the last whole block of the store
+    positions = jnp.asarray([[2 * t - 1, 2 * t - 40], [2 * t - 1, 9]], jnp.int32)   # ratio 2: t, t − 20 | t, 5
+    ids = np.full((2, 2, 6), -1, np.int32)
+    ids[0, 0, :5] = [0, 15, 16 if t > 128 else 1, last - 1, last]
+    ids[0, 1, :3] = [2, last - 3, last]                # the last blocks partly or not visible
+    ids[1, 0, [0, 2]] = [last - 5, last]
+    ids[1, 1, :1] = [0]
+    ids = jnp.asarray(ids)
+    scores, entry = jitted(cp.pool_scores, block=8, ratio=2, backend=backend, interpret=True,
+                           chunk=4)(q, w, keys, scales, ids, positions_BS=positions)
+    want_scores, want_entry = jitted(cp.pool_scores_reference, block=8, ratio=2)(
+        q, w, keys, scales, ids, positions_BS=positions)
+    np.testing.assert_array_equal(entry, want_entry)
+    assert_scores_close(scores, want_scores)
+    assert np.isfinite(np.asarray(scores)[0, 0, 4 * 8:5 * 8]).all()   # the store's last whole block is scored
+
+
 def test_errors_name_the_field():
     rng = np.random.default_rng(5)
     keys, scales = packed_store(rng, 1, 128)

@@ -55,6 +55,13 @@ SCRIPT = textwrap.dedent('''
         lambda q, w, k, sc, ids, p: cp.pool_scores(q, w, k, sc, ids, 8, p, 1),
         arg((rows, 1, J, D), jnp.bfloat16), arg((rows, 1, J), jnp.float32), *store,
         arg((rows, 1, 2048), jnp.int32), arg((rows, 1), jnp.int32))
+    # A store that ends inside a 128-entry tile (a 1M-token cache: 1,000,000 decoder entries): its last tile
+    # comes from a padded copy of that tile alone, never from a copy of the store.
+    ragged = (arg((rows, T + 64, D // 2), jnp.uint8), arg((rows, T + 64, D // 32), jnp.uint8))
+    out["pool_scores S=1 bfloat16 2048 blocks, T + 64 entries"] = compile_sharded(
+        lambda q, w, k, sc, ids, p: cp.pool_scores(q, w, k, sc, ids, 8, p, 1),
+        arg((rows, 1, J, D), jnp.bfloat16), arg((rows, 1, J), jnp.float32), *ragged,
+        arg((rows, 1, 2048), jnp.int32), arg((rows, 1), jnp.int32))
     print("RESULT " + json.dumps(out))
 ''')
 
@@ -74,7 +81,7 @@ def _compile(topology: str) -> dict:
 def test_indexer_kernels_compile_for_tpu(topology):
     results = _compile(topology)
     print(topology, json.dumps(results, indent=1))
-    assert len(results) == 3
+    assert len(results) == 4
     for name, r in results.items():
         assert r["mosaic"], name
         assert r["store_copies"] == 0, (name, "the key store is relaid out on every call")
