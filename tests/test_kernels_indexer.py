@@ -131,6 +131,18 @@ def test_scores_and_pool(backend):
     assert_same_picks(pool, want_pool, pinned)
 
 
+def pool_scores_match(backend, q, w, keys, scales, ids, positions):
+    """`pool_scores` in interpret mode (block 8, ratio 2, chunks of 4 blocks) against `pool_scores_reference`:
+    equal entry ids, scores within SCORE_RTOL. Returns (scores, entry ids, the reference's scores and ids)."""
+    scores, entry = jitted(cp.pool_scores, block=8, ratio=2, backend=backend, interpret=True,
+                           chunk=4)(q, w, keys, scales, ids, positions_BS=positions)
+    want_scores, want_entry = jitted(cp.pool_scores_reference, block=8, ratio=2)(
+        q, w, keys, scales, ids, positions_BS=positions)
+    np.testing.assert_array_equal(entry, want_entry)
+    assert_scores_close(scores, want_scores)
+    return scores, entry, want_scores, want_entry
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pool_scores_and_top_k(backend):
     """Reindex over a gathered pool: −1 blocks (trailing and in the middle), blocks past the visible
@@ -148,12 +160,7 @@ def test_pool_scores_and_top_k(backend):
     ids[1, 1, :7] = [0, 8, 9, 10, 20, 33, 37]
     ids[1, 2, :1] = [0]                                # 1 visible
     ids = jnp.asarray(ids)
-    scores, entry = jitted(cp.pool_scores, block=8, ratio=2, backend=backend, interpret=True,
-                           chunk=4)(q, w, keys, scales, ids, positions_BS=positions)
-    want_scores, want_entry = jitted(cp.pool_scores_reference, block=8, ratio=2)(
-        q, w, keys, scales, ids, positions_BS=positions)
-    np.testing.assert_array_equal(entry, want_entry)
-    assert_scores_close(scores, want_scores)
+    scores, entry, want_scores, want_entry = pool_scores_match(backend, q, w, keys, scales, ids, positions)
     assert np.sum(np.isfinite(scores), axis=-1).tolist() == [[21, 48, 0], [18, 53, 1]]
     k = 30
     got = cp.pool_picks(scores, entry, k)
@@ -183,12 +190,7 @@ def test_pool_scores_read_a_store_that_ends_inside_a_tile(backend, t):
     ids[1, 0, [0, 2]] = [last - 5, last]
     ids[1, 1, :1] = [0]
     ids = jnp.asarray(ids)
-    scores, entry = jitted(cp.pool_scores, block=8, ratio=2, backend=backend, interpret=True,
-                           chunk=4)(q, w, keys, scales, ids, positions_BS=positions)
-    want_scores, want_entry = jitted(cp.pool_scores_reference, block=8, ratio=2)(
-        q, w, keys, scales, ids, positions_BS=positions)
-    np.testing.assert_array_equal(entry, want_entry)
-    assert_scores_close(scores, want_scores)
+    scores = pool_scores_match(backend, q, w, keys, scales, ids, positions)[0]
     assert np.isfinite(np.asarray(scores)[0, 0, 4 * 8:5 * 8]).all()   # the store's last whole block is scored
 
 
