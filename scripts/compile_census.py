@@ -13,8 +13,9 @@ The stacks not named are skipped (`LayerStack.run` returns its input), so a stac
 needs that layer's stack too (the Reindex groups read layer 20: `--stacks 2,4`, then subtract `--stacks 2`).
 Stubs replace a part by a cheap function of the same shapes: `moe` (the FFN), `mixes` (mHC's mixing
 coefficients), `expand` (mHC's expand to a plain residual add), `attention` (the whole cached attention layer),
-`core` (only the softmax over window keys and picks), `engram`. Needs libtpu (the `tpu` extra). The numbers are
-not a model's outputs: this is a diagnostic for where compile time goes.
+`core` (only the softmax over window keys and picks), `engram`. The XLA path only (compile-report's default
+`--kernels reference`: the Pallas kernels need the topology's mesh). Needs libtpu (the `tpu` extra). The numbers
+are not a model's outputs: this is a diagnostic for where compile time goes.
 """
 
 from __future__ import annotations
@@ -81,12 +82,10 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1_000_000)
     p.add_argument("--topology", default="v5p:2x2x2", help="the chip's kind (its first device is compiled for)")
     p.add_argument("--stacks", default="", help="comma-separated indices into the plan's layer stacks (default all)")
-    p.add_argument("--kernels", default="reference", choices=("reference", "pallas"),
-                   help="the step's runtime.kernels (compile-report's --kernels)")
     p.add_argument("--stub", default="", help=f"comma-separated parts to stub out: {', '.join(STUBS)}")
     args = p.parse_args(argv)
     overrides = [*args.set, f"architecture.moe.num_experts={args.experts}"]
-    cfg = cr.report_config(dsv41.load_config(args.config, overrides=overrides), "fp8", args.kernels)
+    cfg = cr.report_config(dsv41.load_config(args.config, overrides=overrides), "fp8", "reference")
     stacks = plan_lib.layer_stacks(cfg)
     if args.stacks:
         chosen = [int(s) for s in args.stacks.split(",")]
