@@ -364,10 +364,12 @@ class Engine:
     def _run_prefill(self, rows, tokens, counts):
         """The prefill step on cache rows `rows` (tokens [P, S], counts [P]): logits [P, V]."""
         if self.mesh is not None:  # the sharded step runs every row; the others bring no tokens
+            from dsv41 import sharding
+
             tokens_B = np.zeros((self.slots, tokens.shape[1]), np.int32)
             counts_B = np.zeros(self.slots, np.int32)
             tokens_B[rows], counts_B[rows] = tokens, counts
-            return self._step_all(tokens_B, counts_B)[np.asarray(rows)]
+            return sharding.one_at_a_time(self.mesh, self._step_all(tokens_B, counts_B)[np.asarray(rows)])
         held = self.lengths[rows]
         ids, recent = steps.engram_inputs(self.cfg, self.recent[rows], tokens, counts, held)
         logits, self.cache = _prefill_rows(self.steps.key, self.steps.treedef, self.steps.leaves, self.cache,
@@ -399,9 +401,10 @@ class Engine:
 
         from dsv41 import sharding
 
-        row = jax.device_put(row, NamedSharding(self.mesh, PartitionSpec()))
-        cache = _put_row(self.cache, jax.device_put(jnp.asarray([slot], jnp.int32), NamedSharding(self.mesh,
-                                                                                                   PartitionSpec())), row)
+        whole = NamedSharding(self.mesh, PartitionSpec())
+        row = jax.device_put(row, whole)
+        cache = sharding.one_at_a_time(self.mesh, _put_row(self.cache, jax.device_put(jnp.asarray([slot], jnp.int32),
+                                                                                      whole), row))
         self.cache = sharding.shard_cache(cache, self.cfg, self.mesh, self.rules)
 
     def _save(self, r: Request) -> None:

@@ -300,12 +300,29 @@ def to_host(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def one_at_a_time(mesh: Mesh, out):
+    """`out`, waited for when `mesh` is several XLA:CPU devices of this process (simulated devices); at once
+    elsewhere. Every sharded program here leaves through it, so on such a mesh only one is in flight.
+
+    XLA:CPU runs every device of a program on one thread pool, and a collective holds its thread until all
+    the program's devices arrive. Two programs in flight (a step and the sampling of its logits, a row's
+    put and the next step) can each hold part of the pool and wait for a device whose thread the other
+    holds: CI aborted `serve --mesh data=2,expert=4` on 8 devices in an all-gather with 7 devices arrived
+    after 300 s, with 16 threads. On 8 threads, 1,000 pairs of programs with collectives (the second on the
+    first's output) dispatched without waiting aborted 6 runs in 6; waiting after each, none in 8
+    (tests/test_distributed.py runs that loop through this function)."""
+    devices = mesh.devices
+    if devices.size > 1 and devices.flat[0].platform == "cpu":
+        jax.block_until_ready(out)
+    return out
+
+
 def shard_params(params, cfg, mesh: Mesh, rules="serve", *, engram_host: bool = False):
     """Places existing parameters (e.g. loaded from a checkpoint) as the rules say. engram_host: the Engram
     tables go to host memory instead, each chip's host holding its share of the rows (`engram_table_sharding`;
     the full-size tables, 196B parameters, fit no HBM); `prefill`/`decode` then gather the rows there."""
     if not engram_host:
-        return jax.device_put(params, param_shardings(cfg, mesh, rules))
+        return one_at_a_time(mesh, jax.device_put(params, param_shardings(cfg, mesh, rules)))
 
     shardings = param_shardings(cfg, mesh, rules, engram_host=True)
 
@@ -322,7 +339,7 @@ def shard_params(params, cfg, mesh: Mesh, rules="serve", *, engram_host: bool = 
 
         return v.replace(jax.make_array_from_callback((rows, *x.shape[1:]), sharding, share))
 
-    return jax.tree_util.tree_map_with_path(place, params, shardings, is_leaf=_is_var)
+    return one_at_a_time(mesh, jax.tree_util.tree_map_with_path(place, params, shardings, is_leaf=_is_var))
 
 
 def engram_on_host(params) -> bool:
@@ -342,7 +359,8 @@ def engram_table_index(path) -> int | None:
 
 def shard_cache(cache: Cache, cfg, mesh: Mesh, rules="serve") -> Cache:
     b, cap = cache.lengths.shape[0], steps_lib.capacity(cfg, cache)
-    return jax.device_put(cache, cache_shardings(cfg, mesh, rules, batch=b, max_len=min(cap, cfg.context_window)))
+    return one_at_a_time(mesh, jax.device_put(cache, cache_shardings(cfg, mesh, rules, batch=b,
+                                                                     max_len=min(cap, cfg.context_window))))
 
 
 def rules_key(rules) -> tuple:
@@ -486,14 +504,14 @@ def next_token_loss(logits_BSV, tokens_BS) -> jax.Array:
 
 def init_params(cfg, key: jax.Array, mesh: Mesh, rules="serve") -> nnx.State:
     """init_params with every parameter created directly in its shard (jit with out_shardings)."""
-    return _jitted("init", model_lib.config_key(cfg), mesh, rules_key(rules), ())(key)
+    return one_at_a_time(mesh, _jitted("init", model_lib.config_key(cfg), mesh, rules_key(rules), ())(key))
 
 
 def init_cache(cfg, mesh: Mesh, rules="serve", *, batch: int, max_len: int) -> Cache:
     """An empty cache created in its shards (the same values as dsv41.init_cache)."""
     from dsv41.cache import init_cache as init
     out = cache_shardings(cfg, mesh, rules, batch=batch, max_len=max_len)
-    return jax.jit(lambda: init(cfg, batch, max_len), out_shardings=out)()
+    return one_at_a_time(mesh, jax.jit(lambda: init(cfg, batch, max_len), out_shardings=out)())
 
 
 def _forward_inputs(cfg, mesh, rules, tokens, engram_ids_BSLC, token_map):
@@ -517,13 +535,15 @@ def _forward_inputs(cfg, mesh, rules, tokens, engram_ids_BSLC, token_map):
 def forward(params, cfg, tokens, mesh: Mesh, rules="serve", *, engram_ids_BSLC=None, token_map=None) -> jax.Array:
     """dsv41.forward on a mesh: logits [B, S, V] fp32 split over rows (B a multiple of the batch mesh axes)."""
     shapes, args = _forward_inputs(cfg, mesh, rules, tokens, engram_ids_BSLC, token_map)
-    return _jitted("forward", model_lib.config_key(cfg), mesh, rules_key(rules), shapes)(params, *args)
+    return one_at_a_time(mesh, _jitted("forward", model_lib.config_key(cfg), mesh, rules_key(rules), shapes)(
+        params, *args))
 
 
 def loss_and_grad(params, cfg, tokens, mesh: Mesh, rules="train", *, engram_ids_BSLC=None, token_map=None):
     """(next-token loss, gradient w.r.t. every parameter) on a mesh; the gradient is sharded like the params."""
     shapes, args = _forward_inputs(cfg, mesh, rules, tokens, engram_ids_BSLC, token_map)
-    return _jitted("grad", model_lib.config_key(cfg), mesh, rules_key(rules), shapes)(params, *args)
+    return one_at_a_time(mesh, _jitted("grad", model_lib.config_key(cfg), mesh, rules_key(rules), shapes)(
+        params, *args))
 
 
 def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, mesh: Mesh, rules="serve", token_map=None):
@@ -548,6 +568,7 @@ def prefill(params, cfg, cache: Cache, tokens, lengths=None, *, mesh: Mesh, rule
                          None if ids is None else put(ids, batch_sharding(mesh, rules, ids.shape, "engram_ids")))
     if ids is not None:
         cache = dataclasses.replace(cache, recent_tokens=put(recent.astype(np.int32), cache.recent_tokens.sharding))
+    one_at_a_time(mesh, (logits, cache))
     return logits, with_mirror(cache, held + counts, recent)
 
 

@@ -130,6 +130,58 @@ def test_simulated_devices_get_two_pool_threads_each():
     assert int(out.stdout.split()[-1]) == max(os.cpu_count(), 16)
 
 
+ONE_AT_A_TIME = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from dsv41 import sharding
+mesh = sharding.make_mesh({"data": 2, "expert": 4})
+rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "expert")))
+whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+@jax.jit
+def f(x, w):  # an all-gather in a loop, an all-reduce after it
+    def body(c, _):
+        y = jnp.tanh(jax.lax.with_sharding_constraint(c, whole) @ w)
+        return jax.lax.with_sharding_constraint(y, rows), y.sum()
+    c, s = jax.lax.scan(body, x, None, length=4)
+    return c, s.sum() + x.sum()
+
+g = jax.jit(lambda y: jax.lax.with_sharding_constraint(2 * y, whole).sum())
+w = jax.device_put(np.eye(64, dtype=np.float32), whole)
+x = jax.device_put(np.ones((64, 64), np.float32), rows)
+outs = []
+for i in range(int(sys.argv[1])):  # nothing read back until the end: the dispatch runs ahead
+    y, s = sharding.one_at_a_time(mesh, f(x, w))
+    outs += [s, sharding.one_at_a_time(mesh, g(y))]
+total = sum(float(v) for v in outs)
+one = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+assert sharding.one_at_a_time(one, y) is y
+print(total)
+"""
+
+
+def test_one_program_at_a_time_on_simulated_devices_cannot_deadlock_the_pool():
+    """`sharding.one_at_a_time` (every sharded step and the engine's row puts leave through it) waits for a
+    program on simulated CPU devices. XLA:CPU's pool at its smallest (PJRT_NPROC=8 for 8 devices: one thread
+    a device) runs 1,000 pairs of programs with collectives, the second on the first's output, within a 20 s
+    rendezvous timeout (8 runs in 8). With the wait taken out, 6 runs in 6 aborted: programs in flight each
+    held part of the pool, waiting for a device whose thread another held."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PJRT_NPROC="8",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8 "
+                         "--xla_cpu_collective_call_terminate_timeout_seconds=20")
+    out = subprocess.run([sys.executable, "-c", ONE_AT_A_TIME, "1000"], env=env, cwd=os.path.dirname(HERE),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # Per pair (NumPy, float64): f's loop takes tanh of every element 4 times and sums each step, its all-reduce
+    # adds the ones; g sums twice f's rows.
+    values, v = [], 1.0
+    for _ in range(4):
+        v = np.tanh(v)
+        values.append(v)
+    want = 1000 * 64 * 64 * (1 + sum(values) + 2 * values[-1])
+    assert abs(float(out.stdout.split()[-1]) - want) < 1e-5 * want
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(HERE))
     _worker(sys.argv[1:])
