@@ -39,7 +39,8 @@ def reserve_collective_threads(environ=os.environ) -> dict:
     arrives. XLA:CPU may start a loop that holds collectives beside an independent collective of the same
     program, so with N threads one device can hold the loop's all-gather while the others hold the
     all-reduce: no thread is left for either to finish, and the rendezvous aborts the process after 40 s
-    (seen once on 2 cores, `serve --mesh data=2,expert=4` on 8 devices). With 2N threads both fit."""
+    (seen once on 2 cores, `serve --mesh data=2,expert=4` on 8 devices). With 2N threads both fit. Between
+    programs, `dsv41.sharding.one_at_a_time` keeps one in flight: several can hold 2N threads too."""
     flags = environ.get("XLA_FLAGS", "")
     found = re.findall(r"--xla_force_host_platform_device_count=(\d+)", flags)
     devices = int(found[-1]) if found else 1
