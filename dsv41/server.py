@@ -16,10 +16,12 @@ every check runs before a 200 is sent.
 import argparse
 import asyncio
 import dataclasses
+import faulthandler
 import hmac
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -518,6 +520,8 @@ def run(args) -> int:
     import uvicorn
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's Python stack to stderr (a stuck server)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     _check_port(args.host, args.port)  # before the warm-up's minute of compiling, not after it
     engine, app = build(args)
     print(f"warming up: compiling prefill chunks {engine.chunks} x {engine.prefill_rows} rows and decode x "

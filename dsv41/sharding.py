@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 from typing import Mapping
 
@@ -43,6 +44,8 @@ from dsv41.nn import policy as policy_lib
 from dsv41.nn.attend import SequenceLayout
 from dsv41.nn.policy import Lowering
 from dsv41.plan import engram_layers
+
+log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "expert", "tensor", "context")
 
@@ -129,7 +132,9 @@ def make_mesh(shape: Mapping[str, int], devices=None) -> Mesh:
     devices = jax.devices() if devices is None else list(devices)
     if math.prod(sizes) != len(devices):
         raise ConfigError("mesh", dict(shape), f"expected axis sizes whose product is the {len(devices)} devices")
-    return jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    mesh = jax.make_mesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    compile_fresh(mesh)
+    return mesh
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -300,6 +305,31 @@ def to_host(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def simulated(mesh: Mesh) -> bool:
+    """Whether `mesh` is several XLA:CPU devices of this process (`--xla_force_host_platform_device_count`)."""
+    devices = mesh.devices
+    return devices.size > 1 and devices.flat[0].platform == "cpu"
+
+
+def compile_fresh(mesh: Mesh) -> None:
+    """Turns JAX's persistent compilation cache off for the rest of the process when `mesh` is simulated
+    (`simulated`), and says so once (a warning). `make_mesh` and the sharded programs' builders call it.
+
+    jaxlib 0.10.2's XLA:CPU loses, in a program it loads from the cache, the order it keeps among the
+    program's collectives: one device can enter a loop that holds a collective while the others wait in an
+    independent collective before it, and the rendezvous aborts the process. Reproduced with `serve --mesh
+    data=2,expert=4`'s warm-up on 8 devices (docs/simulated_devices.md): loaded from the cache, 3 runs in 3
+    aborted within 3 warm-ups (7 devices in an all-gather, the 8th in the indexer loop's); compiled, none of
+    70 warm-ups did."""
+    if not simulated(mesh) or not (jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir):
+        return
+    from dsv41 import compile_cache
+
+    compile_cache.disable()
+    log.warning("compile cache off: programs on %d simulated CPU devices are compiled, never loaded from the "
+                "cache (XLA:CPU can deadlock in the collectives of a loaded one)", mesh.devices.size)
+
+
 def one_at_a_time(mesh: Mesh, out):
     """`out`, waited for when `mesh` is several XLA:CPU devices of this process (simulated devices); at once
     elsewhere. Every sharded program here leaves through it, so on such a mesh only one is in flight.
@@ -311,8 +341,7 @@ def one_at_a_time(mesh: Mesh, out):
     after 300 s, with 16 threads. On 8 threads, 1,000 pairs of programs with collectives (the second on the
     first's output) dispatched without waiting aborted 6 runs in 6; waiting after each, none in 8
     (tests/test_distributed.py runs that loop through this function)."""
-    devices = mesh.devices
-    if devices.size > 1 and devices.flat[0].platform == "cpu":
+    if simulated(mesh):
         jax.block_until_ready(out)
     return out
 
@@ -372,6 +401,7 @@ def rules_key(rules) -> tuple:
 def _jitted(kind: str, key: str, mesh: Mesh, rules_items: tuple, shapes: tuple):
     """The jitted sharded function of one kind, config, mesh and rules (`rules_key`; shapes: the batch inputs'
     shapes)."""
+    compile_fresh(mesh)
     cfg, rules = model_lib.config_from_key(key), dict(rules_items)
     ps = param_shardings(cfg, mesh, rules)
     rep = NamedSharding(mesh, P())
@@ -404,6 +434,7 @@ def step_function(cfg, mesh: Mesh, rules="serve", *, tokens_shape, ids_shape=Non
     the cache donated and returned in its rule shardings. engram_host: the Engram tables in host memory, split
     over the mesh (`param_shardings(..., engram_host=True)`), their rows gathered there (`gather_engram_rows`).
     params_shardings overrides the parameters' shardings."""
+    compile_fresh(mesh)
     key = model_lib.config_key(cfg)
     ps = param_shardings(cfg, mesh, rules, engram_host=engram_host) if params_shardings is None else params_shardings
     b = tokens_shape[0]

@@ -1,5 +1,6 @@
 import json
 import os
+import sys
 from pathlib import Path
 
 # The tests run JAX on the CPU. With libtpu installed (the `tpu` extra, for ahead-of-time TPU compiles in
@@ -59,6 +60,17 @@ def pytest_testnodedown(node, error):
     out = getattr(node, "workeroutput", {})
     _COMPILE_CACHE["hits"] += out.get("dsv41_cache_hits", 0)
     _COMPILE_CACHE["saved_s"] += out.get("dsv41_cache_saved_s", 0.0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report carries the end of each running `dsv41 serve`'s log, with its threads' stacks
+    (tests/serving.py): a server that stopped answering says where it stood."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and "serving" in sys.modules:
+        for title, text in sys.modules["serving"].failure_logs():
+            report.sections.append((title, text))
 
 
 def pytest_terminal_summary(terminalreporter):

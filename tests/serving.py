@@ -2,12 +2,38 @@
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+
+
+# For a failing test's report (conftest): the servers running now (pid -> (process, log path)), and the logs
+# of those a failure inside their `with` block stopped.
+LIVE: dict = {}
+STOPPED_BY_FAILURE: list = []
+
+
+def _log_end(pids, chars: int = 6000) -> list[tuple[str, str]]:
+    """(title, end of the log) of the running servers `pids`, after asking each for its threads' Python
+    stacks (`dsv41 serve` dumps them on SIGUSR1): what a stuck server was doing."""
+    asked = [pid for pid in pids if LIVE[pid][0].poll() is None and hasattr(signal, "SIGUSR1")]
+    for pid in asked:
+        LIVE[pid][0].send_signal(signal.SIGUSR1)
+    if asked:
+        time.sleep(2)
+    return [(f"dsv41 serve (pid {pid}): the end of its log", LIVE[pid][1].read_text()[-chars:]) for pid in pids]
+
+
+def failure_logs() -> list[tuple[str, str]]:
+    """The logs a failing test's report gets: every running server's, and those of the servers the failure
+    stopped (taken then)."""
+    out = STOPPED_BY_FAILURE + _log_end(list(LIVE))
+    STOPPED_BY_FAILURE.clear()
+    return out
 
 
 def free_port() -> int:
@@ -31,6 +57,7 @@ def running_server(tmp_path_factory, *args, env=()):
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ)
     base = f"http://127.0.0.1:{port}"
+    LIVE[proc.pid] = (proc, log)
     try:
         deadline = time.monotonic() + 600
         while True:
@@ -43,8 +70,13 @@ def running_server(tmp_path_factory, *args, env=()):
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1)
-        yield base
+        try:
+            yield base
+        except BaseException:
+            STOPPED_BY_FAILURE.extend(_log_end([proc.pid]))
+            raise
     finally:
+        LIVE.pop(proc.pid, None)
         proc.terminate()
         try:
             proc.wait(timeout=30)

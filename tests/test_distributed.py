@@ -182,6 +182,41 @@ def test_one_program_at_a_time_on_simulated_devices_cannot_deadlock_the_pool():
     assert abs(float(out.stdout.split()[-1]) - want) < 1e-5 * want
 
 
+COMPILE_FRESH = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from dsv41 import compile_cache, sharding
+cache = compile_cache.enable(sys.argv[1])
+stored = lambda: len([p for p in cache.iterdir() if p.name.endswith("-cache")])
+jax.jit(lambda v: v * 3)(jnp.ones(4)).block_until_ready()
+before = stored()
+sharding.make_mesh({"data": 1}, jax.devices()[:1])  # one device: the cache stays on
+on_after_one = jax.config.jax_enable_compilation_cache
+mesh = sharding.make_mesh({"data": 8})
+x = jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8), NamedSharding(mesh, P("data")))
+total = float(jax.jit(lambda v: (v * 5).sum())(x))
+jax.jit(lambda v: v * 7)(jnp.ones(4)).block_until_ready()
+print(json.dumps({"before": before, "on_after_one": on_after_one, "on_after_mesh": jax.config.jax_enable_compilation_cache,
+                  "added": stored() - before, "total": total}))
+"""
+
+
+def test_simulated_devices_compile_their_programs_rather_than_load_them(tmp_path):
+    """A mesh of simulated CPU devices turns JAX's persistent compilation cache off for the process
+    (`sharding.compile_fresh`, from `make_mesh`), with a warning: XLA:CPU aborted programs loaded from it
+    (docs/simulated_devices.md). A one-device mesh leaves it on. Read from the cache directory itself."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    out = subprocess.run([sys.executable, "-c", COMPILE_FRESH, str(tmp_path / "cache")], env=env,
+                         cwd=os.path.dirname(HERE), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.splitlines()[-1])
+    assert r["before"] >= 1 and r["on_after_one"], r        # the cache stored the one-device program
+    assert not r["on_after_mesh"] and r["added"] == 0, r    # nothing stored after the 8-device mesh
+    assert r["total"] == 5 * sum(range(64)), r
+    assert "compile cache off: programs on 8 simulated CPU devices" in out.stderr, out.stderr[-2000:]
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(HERE))
     _worker(sys.argv[1:])

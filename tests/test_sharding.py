@@ -42,6 +42,47 @@ def _prefill_then_decode(prefill, decode, cache, tokens, lengths, steps):
     return out, cache
 
 
+def _equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside its equations (loops, shard_maps, calls)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _equations(sub)
+
+
+def loops_with_collectives(hlo: str) -> list[str]:
+    """The while loops of a compiled program (HLO text) without a known trip count whose bodies hold a
+    collective, by their op names: on simulated CPU devices such a loop could deadlock the program
+    (docs/simulated_devices.md)."""
+    import re
+
+    comps, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%(\S+) ", line)
+        if head and line.rstrip().endswith("{"):
+            name = head.group(1)
+            comps[name] = []
+        elif name is not None:
+            comps[name].append(line)
+    collective = re.compile(r"= \S+ (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)")
+
+    def holds(comp, seen=()):
+        if comp not in comps or comp in seen:
+            return False
+        lines = comps[comp]
+        called = {c for l in lines for c in re.findall(r"(?:calls|body|condition|to_apply)=%([\w.\-]+)", l)}
+        called |= {c.strip().lstrip("%") for l in lines for group in re.findall(r"branch_computations=\{([^}]*)\}", l)
+                   for c in group.split(",")}
+        return any(collective.search(l) for l in lines) or any(holds(c, seen + (comp,)) for c in called)
+
+    return [(re.search(r'op_name="([^"]*)"', l) or [None, "?"])[1]
+            for lines in comps.values() for l in lines
+            if " while(" in l and "known_trip_count" not in l and holds(re.search(r"body=%([\w.\-]+)", l).group(1))]
+
+
 def _checks() -> dict:
     """Runs in the 8-device subprocess; returns measured differences and the specs it saw."""
     import time
@@ -55,17 +96,24 @@ def _checks() -> dict:
     import numpy as np
 
     import dsv41
+    from dsv41 import config as config_lib
     from dsv41 import model as model_lib
     from dsv41 import sharding as sh
 
-    def shard_maps(fn, *args) -> int:
-        return str(fn.trace(*args).jaxpr).count("shard_map[")
+    def shard_maps(fn, *args) -> dict:
+        """The traced program's shard_maps: those that hold a top_k (the indexer's, on each device's rows)
+        and the others (the MoE layers')."""
+        maps = [e for e in _equations(fn.trace(*args).jaxpr.jaxpr) if e.primitive.name == "shard_map"]
+        top_k = sum(any(x.primitive.name == "top_k" for x in _equations(e.params["jaxpr"])) for e in maps)
+        return {"moe": len(maps) - top_k, "top_k": top_k}
 
     assert jax.device_count() == 8, jax.devices()
     # Two paths of one computation compare exactly with quantisation off (the project's rule): with qat a
     # rounding-level difference between the partitioned and the one-device program flips an FP8 code
     # (measured: 723 forward logits move by up to 1.1e-5 at qat, none beyond 2.7e-7 with quant none).
-    cfg = small_config("none")
+    # Score tiles of 8 entries: the indexer's running top-k over the filled tiles (`indexer.filled_top_k`, a
+    # loop) runs in the forward and the cached steps, on the 32-entry stores.
+    cfg = config_lib.build(small_config("none").to_dict(), ["runtime.score_tile=8"])
     rng = np.random.default_rng(0)
     b, s, cap = 8, 12, 32
     tokens = rng.integers(0, cfg.architecture.vocab_size, (b, s)).astype(np.int32)
@@ -97,8 +145,10 @@ def _checks() -> dict:
         fwd_shapes, fwd_args = sh._forward_inputs(cfg, mesh, "serve", tokens, None, None)
         step_args = (p, c, sh.put(steps[0][:, None], sh.batch_sharding(mesh, "serve", (b, 1), "tokens")),
                      sh.put(np.ones(b, np.int32), sh.batch_sharding(mesh, "serve", (b,), "lengths")), None)
+        decode = sh._jitted("step", key, mesh, rules, ((b, 1), None, cap))
         traced = {"forward": shard_maps(sh._jitted("forward", key, mesh, rules, fwd_shapes), p, *fwd_args),
-                  "decode": shard_maps(sh._jitted("step", key, mesh, rules, ((b, 1), None, cap)), *step_args)}
+                  "decode": shard_maps(decode, *step_args)}
+        loops = loops_with_collectives(decode.lower(*step_args).compile().as_text()) if shape == MESHES[1] else []
         cache_diff = max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max(initial=0.0))
                          for x, y in zip(jax.tree.leaves(c), jax.tree.leaves(ref_cache)))
         layer = p["stacks"][1]["slots"][0]  # layer 2 (after the two window-only layers' stack)
@@ -108,6 +158,7 @@ def _checks() -> dict:
             "steps": [float(np.abs(x - y).max()) for x, y in zip(got, ref_steps)],
             "cache": cache_diff,
             "shard_maps": traced,
+            "loops_with_collectives": loops,
             "specs": {
                 "ffn.w1": str(layer["ffn"]["w1"][...].sharding.spec),
                 "ffn.w2": str(layer["ffn"]["w2"][...].sharding.spec),
@@ -278,8 +329,12 @@ def test_forward_and_steps_equal_single_device(results, index):
     assert r["forward"] < TOL, r
     assert len(r["steps"]) == 3 and max(r["steps"]) < TOL, r   # prefill, then two decode steps
     assert r["cache"] < TOL, r                                 # every cache leaf (bytes and fp32 leftovers)
-    # the MoE layers ran expert-parallel: one shard_map each in the forward and the decode step
-    assert r["shard_maps"] == {"forward": results["layers"], "decode": results["layers"]}, r
+    # the MoE layers ran expert-parallel: one shard_map each in the forward and the decode step; the decode
+    # step's indexer ran its running top-k (of entries, and of pool blocks where it builds the pool) on each
+    # device's rows, so none of its loops holds a collective (with a plain top_k, layers 2's and 3's did)
+    assert r["shard_maps"]["forward"]["moe"] == results["layers"], r
+    assert r["shard_maps"]["decode"]["moe"] == results["layers"] and r["shard_maps"]["decode"]["top_k"] > 0, r
+    assert r["loops_with_collectives"] == [], r
 
 
 def _batch(shape):
@@ -313,7 +368,7 @@ def test_train_fsdp_matches_single_device(results):
     assert r["grad"] < TOL * max(1.0, r["grad_scale"]), r
     # each traced MoE layer and its transpose expert-parallel (a scanned stack's linearisation may trace
     # its body's shard_map once more)
-    assert 2 * results["layers"] <= r["shard_maps"] <= 3 * results["layers"], r
+    assert 2 * results["layers"] <= r["shard_maps"]["moe"] <= 3 * results["layers"], r
     assert r["specs"]["ffn.w1"] == "P(None, 'expert', 'data', 'tensor')"
     assert r["specs"]["grad.ffn.w1"] == r["specs"]["ffn.w1"]
     assert r["specs"]["attn.wq_b"] == "P(None, ('data', 'expert'), 'tensor')"

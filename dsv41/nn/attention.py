@@ -27,6 +27,8 @@ per-head query RMSNorm V4 had (`architecture.q_head_norm`).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -306,7 +308,7 @@ class Attention(nnx.Module):
                 return ix.pool_top_k(scores, jnp.where(ok, entry, -1), k), None
             if pool_b is not None:  # the pool's keys gathered `score_tile` entries at a time ([Q, tile, dI])
                 return ix.pool_chunks_top_k(q_b, w_b, keys_BTd, pool_b, block, visible, k, tile // block,
-                                            self.indexer.unroll, group=1), None
+                                            self.indexer.unroll, group=1, rows=self._rows(visible.shape[0])), None
             if impl is not None:  # the prefill kernels: one pass over the visible tiles, as the cached step's
                 args = (q_b, w_b, key_bytes, key_scales, pos_b, rec.ratio)
                 if self.builds_pool:
@@ -327,7 +329,7 @@ class Attention(nnx.Module):
 
             pool = (self.pool_max_blocks, block, visible) if self.builds_pool else None
             picks, pool_ids = ix.filled_top_k(tile_scores, visible.shape, padded.shape[1], tile, jnp.max(visible), k,
-                                              pool)
+                                              pool, rows=self._rows(visible.shape[0]))
             if pool_ids is not None:  # blocks past the sequence's entries are never kept: its own block count
                 pool_ids = jnp.where(pool_ids < -(-num // block), pool_ids, -1)
             return picks, pool_ids
@@ -543,8 +545,18 @@ class Attention(nnx.Module):
 
         pool = (self.pool_max_blocks, self.pool_block_size, visible_count_BS) if self.builds_pool else None
         picks, pool_out = ix.filled_top_k(tile_scores, positions_BS.shape, num, tile, jnp.max(visible_count_BS),
-                                          self.top_k, pool)
+                                          self.top_k, pool, rows=self._rows(positions_BS.shape[0]))
         return Handoff(picks=picks, pool_ids=pool_out)
+
+    def _rows(self, b: int) -> ix.RowSplit | None:
+        """On a mesh (`Lowering.layout`), the split of the step's B token rows over the layout's token axes
+        (None: one device, the rows' tokens split too, or B rows that do not split evenly)."""
+        layout = self.policy.lowering.layout
+        if layout is None or not layout.token_axes or layout.seq_axes:
+            return None
+        if b % math.prod(layout.mesh.shape[a] for a in layout.token_axes):
+            return None
+        return ix.RowSplit(layout.mesh, layout.token_axes)
 
     def training_kernel(self) -> str | None:
         """The kernel implementation the blockwise whole-sequence (training) forward — a sequence longer than

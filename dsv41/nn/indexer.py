@@ -12,9 +12,12 @@ its top-k is unsorted in the reference, which does not change the attended set.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dsv41 import quant
 from dsv41.kv_store import dequant_keys
@@ -263,14 +266,37 @@ def candidate_block_ids(scores_BST, visible_count_BS, max_blocks: int, block: in
     return ids
 
 
-def _merge_best(best, values, ids, n: int):
+def _merge_best(best, values, ids, n: int, top_k=jax.lax.top_k):
     """The best n of the running best (values, ids) and a new set's: the running best come first, so among
     equal values they keep their place (`jax.lax.top_k` keeps the earlier), and with them the lower ids
     wherever each new set holds higher ids than the sets before it."""
-    v, i = jax.lax.top_k(values, min(n, values.shape[-1]))
+    v, i = top_k(values, min(n, values.shape[-1]))
     cat_v, cat_i = jnp.concatenate([best[0], v], -1), jnp.concatenate([best[1], jnp.take_along_axis(ids, i, -1)], -1)
-    v, i = jax.lax.top_k(cat_v, n)
+    v, i = top_k(cat_v, n)
     return v, jnp.take_along_axis(cat_i, i, -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSplit:
+    """Token rows [B, …] split over mesh axes (B a multiple of their size): `filled_top_k`'s running best is
+    held so and merged one device's rows at a time (`top_k`), so its loop holds no collective."""
+    mesh: Mesh
+    axes: tuple[str, ...]
+
+    @property
+    def _spec(self):
+        return P(self.axes[0] if len(self.axes) == 1 else self.axes)
+
+    def place(self, x):
+        """x [B, …] held as the rows are."""
+        spec = P(*self._spec, *([P.UNCONSTRAINED] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def top_k(self, values, n: int):
+        """`jax.lax.top_k` on each device's rows: left to itself, XLA gathers every row onto every device
+        for a top_k (it partitions a sort over split rows, not a top_k)."""
+        return jax.shard_map(lambda v: tuple(jax.lax.top_k(v, n)), mesh=self.mesh, in_specs=self._spec,
+                             out_specs=(self._spec, self._spec))(values)
 
 
 def _empty_best(rows_BS: tuple, n: int, sentinel: int):
@@ -284,7 +310,7 @@ def _finish_best(best, sentinel: int, width: int):
     return jnp.pad(ids, [(0, 0), (0, 0), (0, width - ids.shape[-1])], constant_values=-1)
 
 
-def filled_top_k(tile_scores, rows_BS: tuple, num_entries: int, tile: int, filled, k: int, pool=None):
+def filled_top_k(tile_scores, rows_BS: tuple, num_entries: int, tile: int, filled, k: int, pool=None, rows=None):
     """`top_k_indices` (and `candidate_block_ids`) over the filled tiles of a store only (DESIGN §6: a row's
     cost follows its length, not the cache's capacity).
 
@@ -292,7 +318,10 @@ def filled_top_k(tile_scores, rows_BS: tuple, num_entries: int, tile: int, fille
     selectable), rows_BS = (B, S); num_entries: the store's capacity T (≥ tile; the last tile starts at
     T − tile and drops what earlier tiles saw); filled: a traced count of the entries any query may see, so
     ceil(filled / tile) tiles run (a loop with that trip count). pool: None, or (max_blocks, block,
-    visible_count_BS) to also choose the candidate pool (tile and T multiples of block).
+    visible_count_BS) to also choose the candidate pool (tile and T multiples of block). rows: None, or the
+    `RowSplit` of the rows on a mesh: the loop then holds no collective (with a plain `jax.lax.top_k` XLA
+    gathered every row's scores onto every device each trip, and on simulated CPU devices a collective in
+    this loop could deadlock the program: docs/simulated_devices.md).
     Returns (picks [B, S, k], pool block ids [B, S, max_blocks] or None), equal to scoring every entry:
     top-k keeps the lowest index among equal scores, and so does each merge of the running best with a
     tile's (the running best come first and hold lower indices)."""
@@ -304,20 +333,23 @@ def filled_top_k(tile_scores, rows_BS: tuple, num_entries: int, tile: int, fille
         n_blocks = num_entries // block
         newest = (visible_count - 1) // block
         state["pool"] = _empty_best(rows_BS, min(max_blocks, n_blocks), n_blocks)
+    pick = jax.lax.top_k
+    if rows is not None:
+        state, pick = jax.tree.map(rows.place, state), rows.top_k
 
     def step(t, state):
         start = jnp.minimum(t * tile, num_entries - tile)  # the last tile may overlap the one before
         entry = start + jnp.arange(tile, dtype=jnp.int32)
         scores = jnp.where(entry >= t * tile, tile_scores(start), NEG_INF)  # each entry once
         ids = jnp.broadcast_to(entry, scores.shape)
-        out = {"picks": _merge_best(state["picks"], scores, ids, k_eff)}
+        out = {"picks": _merge_best(state["picks"], scores, ids, k_eff, pick)}
         if pool is not None:
             block_ids = start // block + jnp.arange(tile // block, dtype=jnp.int32)
             block_scores = scores.reshape(b, s, -1, block).max(-1)
             block_scores = jnp.where(block_ids == newest[..., None], jnp.inf, block_scores)
             block_scores = jnp.where(block_ids * block >= t * tile, block_scores, NEG_INF)
             out["pool"] = _merge_best(state["pool"], block_scores, jnp.broadcast_to(block_ids, block_scores.shape),
-                                      state["pool"][0].shape[-1])
+                                      state["pool"][0].shape[-1], pick)
         return out
 
     trips = (jnp.minimum(filled, num_entries) + tile - 1) // tile
@@ -327,12 +359,13 @@ def filled_top_k(tile_scores, rows_BS: tuple, num_entries: int, tile: int, fille
 
 
 def pool_chunks_top_k(q_BSJd, w_BSJ, keys_BTd, block_ids_BSn, block: int, visible_BS, k: int, chunk_blocks: int,
-                      unroll: bool = False, group: int | None = None):
+                      unroll: bool = False, group: int | None = None, rows=None):
     """`pool_top_k` of the lightning scores over a candidate pool's entries (block ids [B, S, n], ascending,
     −1 padded), `chunk_blocks` pool blocks at a time with a running top-k: the gathered keys held at once
     are [B, S, chunk_blocks·block, dI], not the whole pool's, and only the chunks some query's pool reaches
     run (a loop with that trip count; the −1 padding is at the end). Equal to `pool_top_k` over the whole
-    pool: the chunks' entries ascend, so each merge keeps the lower id among equal scores, as it does."""
+    pool: the chunks' entries ascend, so each merge keeps the lower id among equal scores, as it does.
+    rows: None, or the `RowSplit` of the rows on a mesh (as in `filled_top_k`)."""
     n = block_ids_BSn.shape[-1]
     chunk = min(chunk_blocks, n)
     n_chunks = -(-n // chunk)
@@ -346,10 +379,13 @@ def pool_chunks_top_k(q_BSJd, w_BSJ, keys_BTd, block_ids_BSn, block: int, visibl
         entry = jnp.where(ok, entry, num)  # an unusable entry scores −inf and is never kept
         scores = lightning_scores_per_query(q_BSJd, gather(keys_BTd, jnp.minimum(entry, num - 1)), w_BSJ, ok,
                                             unroll, group)
-        return _merge_best(best, scores, entry, k_eff)
+        return _merge_best(best, scores, entry, k_eff, pick)
 
+    best, pick = _empty_best(block_ids_BSn.shape[:2], k_eff, num), jax.lax.top_k
+    if rows is not None:
+        best, pick = jax.tree.map(rows.place, best), rows.top_k
     trips = (jnp.max(jnp.sum(block_ids_BSn >= 0, axis=-1)) + chunk - 1) // chunk
-    best = jax.lax.fori_loop(0, trips, step, _empty_best(block_ids_BSn.shape[:2], k_eff, num))
+    best = jax.lax.fori_loop(0, trips, step, best)
     return _finish_best(best, num, k)
 
 
