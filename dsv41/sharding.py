@@ -318,9 +318,9 @@ def compile_fresh(mesh: Mesh) -> None:
     jaxlib 0.10.2's XLA:CPU loses, in a program it loads from the cache, the order it keeps among the
     program's collectives: one device can enter a loop that holds a collective while the others wait in an
     independent collective before it, and the rendezvous aborts the process. Reproduced with `serve --mesh
-    data=2,expert=4`'s warm-up on 8 devices (docs/simulated_devices.md): loaded from the cache, 3 runs in 3
-    aborted within 3 warm-ups (7 devices in an all-gather, the 8th in the indexer loop's); compiled, none of
-    70 warm-ups did."""
+    data=2,expert=4`'s warm-up on 8 devices (docs/simulated_devices.md): loaded from the cache, 2 runs in 2
+    aborted by their 3rd warm-up (7 devices in an all-gather, the 8th in the indexer loop's); compiled, none
+    of 110 warm-ups did. (The indexer loop holds no collective now, `indexer.RowSplit`; the scans still do.)"""
     if not simulated(mesh) or not (jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir):
         return
     from dsv41 import compile_cache

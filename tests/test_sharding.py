@@ -111,9 +111,9 @@ def _checks() -> dict:
     # Two paths of one computation compare exactly with quantisation off (the project's rule): with qat a
     # rounding-level difference between the partitioned and the one-device program flips an FP8 code
     # (measured: 723 forward logits move by up to 1.1e-5 at qat, none beyond 2.7e-7 with quant none).
-    # Score tiles of 8 entries: the indexer's running top-k over the filled tiles (`indexer.filled_top_k`, a
-    # loop) runs in the forward and the cached steps, on the 32-entry stores.
-    cfg = config_lib.build(small_config("none").to_dict(), ["runtime.score_tile=8"])
+    # Score tiles of 8 entries and query blocks of 8 tokens: the indexer's running top-k over the filled tiles
+    # (`indexer.filled_top_k`, a loop) runs in the forward and in the cached steps on the 32-entry stores.
+    cfg = config_lib.build(small_config("none").to_dict(), ["runtime.score_tile=8", "runtime.query_block=8"])
     rng = np.random.default_rng(0)
     b, s, cap = 8, 12, 32
     tokens = rng.integers(0, cfg.architecture.vocab_size, (b, s)).astype(np.int32)
@@ -329,11 +329,11 @@ def test_forward_and_steps_equal_single_device(results, index):
     assert r["forward"] < TOL, r
     assert len(r["steps"]) == 3 and max(r["steps"]) < TOL, r   # prefill, then two decode steps
     assert r["cache"] < TOL, r                                 # every cache leaf (bytes and fp32 leftovers)
-    # the MoE layers ran expert-parallel: one shard_map each in the forward and the decode step; the decode
-    # step's indexer ran its running top-k (of entries, and of pool blocks where it builds the pool) on each
-    # device's rows, so none of its loops holds a collective (with a plain top_k, layers 2's and 3's did)
-    assert r["shard_maps"]["forward"]["moe"] == results["layers"], r
-    assert r["shard_maps"]["decode"]["moe"] == results["layers"] and r["shard_maps"]["decode"]["top_k"] > 0, r
+    # the MoE layers ran expert-parallel: one shard_map each in the forward and the decode step; the indexer
+    # ran its running top-k (of entries, and of pool blocks where it builds the pool) on each device's rows,
+    # so no loop of the decode step holds a collective (with a plain top_k, layers 2's and 3's did)
+    for program in ("forward", "decode"):
+        assert r["shard_maps"][program]["moe"] == results["layers"] and r["shard_maps"][program]["top_k"] > 0, r
     assert r["loops_with_collectives"] == [], r
 
 
