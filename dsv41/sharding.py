@@ -335,12 +335,11 @@ def one_at_a_time(mesh: Mesh, out):
     elsewhere. Every sharded program here leaves through it, so on such a mesh only one is in flight.
 
     XLA:CPU runs every device of a program on one thread pool, and a collective holds its thread until all
-    the program's devices arrive. Two programs in flight (a step and the sampling of its logits, a row's
-    put and the next step) can each hold part of the pool and wait for a device whose thread the other
-    holds: CI aborted `serve --mesh data=2,expert=4` on 8 devices in an all-gather with 7 devices arrived
-    after 300 s, with 16 threads. On 8 threads, 1,000 pairs of programs with collectives (the second on the
-    first's output) dispatched without waiting aborted 6 runs in 6; waiting after each, none in 8
-    (tests/test_distributed.py runs that loop through this function)."""
+    the program's devices arrive. Programs in flight (a step and the sampling of its logits, a row's put and
+    the next step) can hold enough of the pool that a device still to come finds no thread. On 8 threads,
+    1,000 pairs of programs with collectives (the second on the first's output) dispatched without waiting
+    aborted 6 runs in 6; waiting after each, none in 8 (tests/test_distributed.py runs that loop through this
+    function). The CI aborts of `serve --mesh` had another cause (`compile_fresh`, `indexer.RowSplit`)."""
     if simulated(mesh):
         jax.block_until_ready(out)
     return out

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dsv41 import quant
 from dsv41.kv_store import dequant_keys
+from dsv41.nn.attend import spec_entry
 from dsv41.nn.compressor import CompressorV4
 from dsv41.nn.linear import Dense
 from dsv41.nn.norm import RMSNorm
@@ -285,7 +286,7 @@ class RowSplit:
 
     @property
     def _spec(self):
-        return P(self.axes[0] if len(self.axes) == 1 else self.axes)
+        return P(spec_entry(self.axes))
 
     def place(self, x):
         """x [B, …] held as the rows are."""
