@@ -10,6 +10,7 @@ import pytest
 
 import dsv41
 from dsv41 import cache as cache_lib
+from dsv41 import kv_store
 from dsv41 import model, steps
 from dsv41.nn import indexer as ix
 
@@ -81,16 +82,19 @@ def test_the_trip_count_is_the_filled_tiles():
 
 
 @pytest.mark.parametrize("chunk_blocks", [1, 2, 3, 8])
-def test_pool_chunks_top_k_ranks_as_numpy_over_the_pool(chunk_blocks):
-    """A Reindex layer's training selection scores its candidate pool a few blocks at a time with a running
-    top-k (`indexer.pool_chunks_top_k`): the picks of NumPy float64 lightning scores over each query's pool
-    entries (everything else −inf; ties to the lower entry), with pools of different sizes, −1 padded, and
-    entries not yet visible; and those of the whole pool at once (`pool_top_k`)."""
+@pytest.mark.parametrize("source", ["keys", "store"])
+def test_pool_chunks_top_k_ranks_as_numpy_over_the_pool(chunk_blocks, source):
+    """A Reindex layer's selection scores its candidate pool a few blocks at a time with a running top-k
+    (`indexer.pool_chunks_top_k`; training reads the keys, decode the Full layer's packed index store, a
+    chunk's entries at a time): the picks of NumPy float64 lightning scores over each query's pool entries
+    (everything else −inf; ties to the lower entry), with pools of different sizes, −1 padded, and entries
+    not yet visible; and those of the whole pool at once (`pool_top_k`)."""
     rng = np.random.default_rng(1)
-    b, s, heads, d, t, block, n, k = 2, 3, 4, 8, 48, 4, 5, 6
+    b, s, heads, d, t, block, n, k = 2, 3, 4, 32, 48, 4, 5, 6
     q = rng.integers(-2, 3, (b, s, heads, d)).astype(np.float32)  # small integers: exact sums, many ties
     w = rng.integers(0, 3, (b, s, heads)).astype(np.float32)
     keys = rng.integers(-2, 3, (b, t, d)).astype(np.float32)
+    keys[:, :, 0] = 2  # every 32-key block's max is 2: MXFP4 (scale 2^-1 x E2M1) holds each key exactly
     pools = np.full((b, s, n), -1)
     for r, row in enumerate([[[0, 3, 7, 9, 11], [2, 5], [1]], [[4, 6, 8], [], [0, 1, 2, 10, 11]]]):
         for i, ids in enumerate(row):
@@ -104,12 +108,17 @@ def test_pool_chunks_top_k_ranks_as_numpy_over_the_pool(chunk_blocks):
             if blk >= 0:
                 in_pool[idx][blk * block:(blk + 1) * block] = True
     want = numpy_top_k(np.where(in_pool & (np.arange(t) < visible[..., None]), full, -np.inf), k)
-    args = (jnp.asarray(q), jnp.asarray(w), jnp.asarray(keys), jnp.asarray(pools, jnp.int32), block,
-            jnp.asarray(visible))
+    read = jnp.asarray(keys)
+    if source == "store":  # stacked as the cache holds it, this layer second of three
+        packed, scales = kv_store.quant_keys(jnp.asarray(np.stack([keys * 0, keys, keys * 0])))
+        read = kv_store.LayerStore({"index_keys": packed, "index_scales": scales}, 1)
+        np.testing.assert_array_equal(np.asarray(kv_store.dequant_keys(read.get("index_keys"),
+                                                                       read.get("index_scales"))), keys)
+    args = (jnp.asarray(q), jnp.asarray(w), read, jnp.asarray(pools, jnp.int32), block, jnp.asarray(visible))
     got = jax.jit(lambda: ix.pool_chunks_top_k(*args, k, chunk_blocks, group=1))()
     np.testing.assert_array_equal(np.asarray(got), want)
     entry, ok = ix.pool_entries(args[3], block, args[5])
-    gathered = jax.vmap(lambda t_, i: t_[i])(args[2], entry)
+    gathered = jax.vmap(lambda t_, i: t_[i])(jnp.asarray(keys), entry)
     at_once = ix.pool_top_k(ix.lightning_scores_per_query(args[0], gathered, args[1], ok), jnp.where(ok, entry, -1), k)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(at_once))
 
@@ -124,11 +133,12 @@ def test_score_tile_must_hold_whole_pool_blocks():
 @pytest.mark.slow
 def test_tiled_steps_equal_one_pass_over_the_capacity():
     """tiny (qat), rows of different lengths: prefill and decode scoring 40-entry tiles up to the filled
-    length (the decoder's 64 entries: a second tile from 24, overlapping the first) give the logits and
-    cache of scoring every entry at once, exactly."""
+    length (the decoder's 64 entries: a second tile from 24, overlapping the first), or 8-entry ones (the
+    Reindex layers' decode also reads its 4-block pool one block a time), give the logits and cache of
+    scoring every entry at once, exactly."""
     rng = np.random.default_rng(3)
     out = {}
-    for tile in (1024, 40):
+    for tile in (1024, 40, 8):
         cfg = dsv41.load_config("tiny", [f"runtime.score_tile={tile}"])
         params = model.init_params(cfg, jax.random.key(0))
         tokens = rng.integers(0, cfg.architecture.vocab_size, (2, 48)) if tile == 1024 else tokens
@@ -139,7 +149,8 @@ def test_tiled_steps_equal_one_pass_over_the_capacity():
             logits, c = steps.decode(params, cfg, c, tokens[:, i])
             got.append(np.asarray(logits))
         out[tile] = got, jax.tree.map(np.asarray, c)
-    for a, b in zip(out[1024][0], out[40][0]):
-        np.testing.assert_array_equal(a, b)
-    for a, b in zip(jax.tree.leaves(out[1024][1]), jax.tree.leaves(out[40][1])):
-        np.testing.assert_array_equal(a, b)
+    for tile in (40, 8):
+        for a, b in zip(out[1024][0], out[tile][0]):
+            np.testing.assert_array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(out[1024][1]), jax.tree.leaves(out[tile][1])):
+            np.testing.assert_array_equal(a, b)

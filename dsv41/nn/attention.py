@@ -501,9 +501,15 @@ class Attention(nnx.Module):
         if rec.candidate_source is not None and s == 1:
             # Decode: score only the pool's keys (the Reindex promise, DESIGN §3.4).
             pool_ids = published[rec.candidate_source].pool_ids
-            scores, entry = ix.pool_gather_scores(qI, w, store, pool_ids, self.pool_block_size, visible_count,
-                                               indexer.unroll)
-            return Handoff(picks=ix.pool_top_k(scores, entry, self.top_k))
+            if self.policy.lowering.unroll_layers:  # FLOP counting: static shapes, the pool at once
+                scores, entry = ix.pool_gather_scores(qI, w, store, pool_ids, self.pool_block_size, visible_count,
+                                                      indexer.unroll)
+                return Handoff(picks=ix.pool_top_k(scores, entry, self.top_k))
+            # `score_tile` entries of the pool at a time, as `select_blocks` does: a tile's gather and scores
+            # compile, not the whole pool's (the decode's largest part at V4.1-Flash's 16,384 candidates).
+            return Handoff(picks=ix.pool_chunks_top_k(qI, w, store, pool_ids, self.pool_block_size, visible_count,
+                                                      self.top_k, self.score_tile // self.pool_block_size,
+                                                      indexer.unroll, rows=self._rows(b)))
         num, tile = store.leaves["index_keys"].shape[-2], self.score_tile
         if tile < num and num % self.pool_block_size == 0 and not self.policy.lowering.unroll_layers:
             return self._select_filled(qI, w, positions_BS, visible_count, published, store)

@@ -13,6 +13,7 @@ its top-k is unsorted in the reference, which does not change the attended set.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dsv41 import quant
-from dsv41.kv_store import dequant_keys
+from dsv41.kv_store import LayerStore, dequant_keys
 from dsv41.nn.attend import spec_entry
 from dsv41.nn.compressor import CompressorV4
 from dsv41.nn.linear import Dense
@@ -268,11 +269,10 @@ def candidate_block_ids(scores_BST, visible_count_BS, max_blocks: int, block: in
 
 
 def _merge_best(best, values, ids, n: int, top_k=jax.lax.top_k):
-    """The best n of the running best (values, ids) and a new set's: the running best come first, so among
-    equal values they keep their place (`jax.lax.top_k` keeps the earlier), and with them the lower ids
-    wherever each new set holds higher ids than the sets before it."""
-    v, i = top_k(values, min(n, values.shape[-1]))
-    cat_v, cat_i = jnp.concatenate([best[0], v], -1), jnp.concatenate([best[1], jnp.take_along_axis(ids, i, -1)], -1)
+    """The best n of the running best (values, ids) and a new set's, one top-k over both: the running best
+    come first, so among equal values they keep their place (`jax.lax.top_k` keeps the earlier), and with
+    them the lower ids wherever each new set holds higher ids than the sets before it."""
+    cat_v, cat_i = jnp.concatenate([best[0], values], -1), jnp.concatenate([best[1], ids], -1)
     v, i = top_k(cat_v, n)
     return v, jnp.take_along_axis(cat_i, i, -1)
 
@@ -359,26 +359,32 @@ def filled_top_k(tile_scores, rows_BS: tuple, num_entries: int, tile: int, fille
     return picks, (None if pool is None else _finish_best(state["pool"], n_blocks, max_blocks))
 
 
-def pool_chunks_top_k(q_BSJd, w_BSJ, keys_BTd, block_ids_BSn, block: int, visible_BS, k: int, chunk_blocks: int,
+def pool_chunks_top_k(q_BSJd, w_BSJ, keys, block_ids_BSn, block: int, visible_BS, k: int, chunk_blocks: int,
                       unroll: bool = False, group: int | None = None, rows=None):
     """`pool_top_k` of the lightning scores over a candidate pool's entries (block ids [B, S, n], ascending,
     −1 padded), `chunk_blocks` pool blocks at a time with a running top-k: the gathered keys held at once
     are [B, S, chunk_blocks·block, dI], not the whole pool's, and only the chunks some query's pool reaches
     run (a loop with that trip count; the −1 padding is at the end). Equal to `pool_top_k` over the whole
     pool: the chunks' entries ascend, so each merge keeps the lower id among equal scores, as it does.
-    rows: None, or the `RowSplit` of the rows on a mesh (as in `filled_top_k`)."""
+    keys: the keys [B, T, dI], or the index store (`kv_store.LayerStore`) of the pool's Full layer, read a
+    chunk's entries at a time (a Reindex layer's decode: one chunk's code, not the whole pool's, and a
+    chunk's keys in memory). rows: None, or the `RowSplit` of the rows on a mesh (as in `filled_top_k`)."""
     n = block_ids_BSn.shape[-1]
     chunk = min(chunk_blocks, n)
     n_chunks = -(-n // chunk)
     ids = jnp.pad(block_ids_BSn, [(0, 0), (0, 0), (0, n_chunks * chunk - n)], constant_values=-1)
-    num = keys_BTd.shape[1]
+    if isinstance(keys, LayerStore):
+        num = keys.leaves["index_keys"].shape[-2]
+        gather_keys = lambda entry: dequant_keys(keys.gather("index_keys", entry), keys.gather("index_scales", entry))
+    else:
+        num = keys.shape[1]
+        gather_keys = functools.partial(jax.vmap(lambda t, i: t[i]), keys)
     k_eff = min(k, n * block)
-    gather = jax.vmap(lambda t, i: t[i])
 
     def step(c, best):
         entry, ok = pool_entries(jax.lax.dynamic_slice_in_dim(ids, c * chunk, chunk, axis=-1), block, visible_BS)
         entry = jnp.where(ok, entry, num)  # an unusable entry scores −inf and is never kept
-        scores = lightning_scores_per_query(q_BSJd, gather(keys_BTd, jnp.minimum(entry, num - 1)), w_BSJ, ok,
+        scores = lightning_scores_per_query(q_BSJd, gather_keys(jnp.minimum(entry, num - 1)), w_BSJ, ok,
                                             unroll, group)
         return _merge_best(best, scores, entry, k_eff, pick)
 
