@@ -143,9 +143,16 @@ class Engine:
             raise ConfigError("chunks", list(chunks), "expected positive integers (prefill chunk widths)")
         max_model_len = cfg.context_window if max_model_len is None else max_model_len
         _positive("max_model_len", max_model_len)
+        if max_model_len < 2:
+            raise ConfigError("max_model_len", max_model_len, "expected at least 2 (a prompt token and an output token)")
         if max_model_len > cfg.context_window:
             raise ConfigError("max_model_len", max_model_len,
                               f"expected at most the model's context window, {cfg.context_window} tokens")
+        if prefix_cache is not None and max_model_len < prefix_cache_min_len(prefix_cache):
+            raise ConfigError("max_model_len", max_model_len,
+                              f"expected at least {prefix_cache_min_len(prefix_cache)} with a prefix cache of "
+                              f"{prefix_cache.block}-token blocks (kv_cache.persistent_cache.block_tokens): a "
+                              "shorter row never saves or restores a block; or serve without the prefix cache")
         if prefix_cache is not None and prefix_cache.params is not params:
             raise ValueError("prefix_cache: built for other parameters: expected a PrefixCache of the params served")
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
@@ -547,9 +554,10 @@ class Engine:
     # -- warm-up ------------------------------------------------------------------------------
 
     def warmup(self) -> dict:
-        """Compiles the closed set of programs (module doc) by running it: a request of one prompt block
-        (pad tokens) and one output token, twice with the prefix cache (save, then restore) and a bounded
-        replay, or once without; from now on every compile is counted and logged."""
+        """Compiles the closed set of programs (module doc) by running it: every prefill width, with the
+        prefix cache a request of one prompt block and a token (pad tokens) twice (save, then restore) and
+        a bounded replay, and a request past the smallest chunk, each with two output tokens where the
+        rows hold them; from now on every compile is counted and logged."""
         t0 = time.perf_counter()
         for width in self.chunks:  # every prefill width, on rows that bring no tokens
             rows = list(range(self.prefill_rows))
@@ -557,9 +565,14 @@ class Engine:
                                        np.zeros(self.prefill_rows, np.int32))
             self._sample(logits, [None] * self.prefill_rows, [0] * self.prefill_rows)
         pc = self.prefix_cache
-        prompt = [0] * ((pc.block if pc is not None else self.chunks[0]) + 1)
-        for _ in range(1 if pc is None else 2):
-            self._run_alone(Request(prompt, SamplingParams(max_tokens=2, temperature=0.0), emit=lambda e: None))
+        # With a prefix cache a prompt past one block, twice (saved, then restored); then one past the smallest
+        # chunk; each with a decode step where the rows hold it (rows of 2 tokens never decode, rows with a
+        # prefix cache hold at least `prefix_cache_min_len`).
+        prompts = [pc.block + 1] * 2 if pc is not None else []
+        prompts.append(max(1, min(self.chunks[0] + 1, self.max_model_len - 2)))
+        for n in prompts:
+            params = SamplingParams(max_tokens=min(2, self.max_model_len - n), temperature=0.0)
+            self._run_alone(Request([0] * n, params, emit=lambda e: None))
         if pc is not None and pc.replay_tokens[0]:
             row, _, _ = pc.restore([[0]], self.capacity)
             enc, dec = pc.replay_tokens
@@ -576,6 +589,12 @@ class Engine:
             if not self.step():
                 return
         raise RuntimeError(f"request {request.id}: did not finish")
+
+
+def prefix_cache_min_len(prefix_cache) -> int:
+    """The shortest rows (`max_model_len`) a prefix cache serves: a prompt of one block and a token left to
+    prefill (`PrefixCache.restorable` under the engine's `full` schedule), and an output token."""
+    return prefix_cache.block + 2
 
 
 class ContextLengthError(ValueError):

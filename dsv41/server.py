@@ -492,9 +492,18 @@ def build(args):
         template = ChatTemplate.from_file(args.chat_template)
     prefix_cache = None
     if not args.no_prefix_cache and cfg.architecture.family == schema.V41:
+        from dsv41.engine import prefix_cache_min_len
         from dsv41.prefix_cache import PrefixCache
 
         prefix_cache = PrefixCache(cfg, params, args.prefix_cache)
+        need, rows = prefix_cache_min_len(prefix_cache), args.max_model_len or cfg.context_window
+        if args.prefix_cache is None and rows < need:
+            # The default prefix cache, rows too short for one of its blocks: serve without it (asked for by
+            # --prefix-cache DIR, the engine refuses the length instead).
+            print(f"prefix cache off: rows of {rows} tokens (--max-model-len) hold no {prefix_cache.block}-token "
+                  f"block (kv_cache.persistent_cache.block_tokens) with a token after it; it needs at least {need}",
+                  file=sys.stderr, flush=True)
+            prefix_cache = None
     mesh = None
     if args.mesh is not None:
         from dsv41 import sharding

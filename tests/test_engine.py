@@ -132,3 +132,51 @@ def test_host_memory_engram_tables_need_a_mesh(model):
     cfg, params = model
     with pytest.raises(dsv41.ConfigError, match="engram_host.*expected a mesh"):
         engine_lib.Engine(params, cfg, ByteTokenizer(), slots=8, max_model_len=512, engram_host=True)
+
+
+def test_rows_shorter_than_a_prefix_cache_block_are_refused_and_short_rows_warm_up(model, tmp_path):
+    """Rows of `max_model_len` tokens that cannot hold a prefix-cache block and a token after it (the
+    block's 256 tokens + 2) are refused by name with a prefix cache, and so is a row with no room for an
+    output token; without one, rows barely longer than the smallest chunk warm up (the warm-up request fits
+    the rows) and serve what `generate` gives alone."""
+    import dsv41
+    from dsv41.prefix_cache import PrefixCache
+    cfg, params = model
+    pc = PrefixCache(cfg, params, str(tmp_path))
+    assert pc.block == 256 and engine_lib.prefix_cache_min_len(pc) == 258
+    with pytest.raises(dsv41.ConfigError, match=r"'max_model_len' = 257: expected at least 258 .*256-token blocks"):
+        engine_lib.Engine(params, cfg, ByteTokenizer(), slots=8, max_model_len=257, prefix_cache=pc)
+    with pytest.raises(dsv41.ConfigError, match=r"'max_model_len' = 1: expected at least 2"):
+        engine_lib.Engine(params, cfg, ByteTokenizer(), slots=8, max_model_len=1)
+    eng = engine_lib.Engine(params, cfg, ByteTokenizer(), slots=8, max_model_len=258, chunks=(64,), prefix_cache=pc)
+    eng.warmup()  # the block's request: 257 tokens and one output; then 64 tokens and two
+    prompt = list(range(40, 240)) + list(range(40, 97))  # 257 tokens: one block saved, then restored
+    for cached in (0, 256):
+        req = eng.submit(_request(prompt, 1, []))
+        for _ in range(100):
+            if not eng.step():
+                break
+        assert req.cached == cached and len(req.generated) == 1 and eng.compiles_after_warmup == 0
+    eng = engine_lib.Engine(params, cfg, ByteTokenizer(), slots=8, max_model_len=66, chunks=(64,))
+    eng.warmup()  # a prompt of 64 tokens and two output tokens: 66
+    prompt = list(b"the passkey is 31415. ") * 2
+    events = []
+    req = eng.submit(_request(prompt, 66 - len(prompt), events))
+    for _ in range(100):
+        if not eng.step():
+            break
+    assert len(req.generated) == 66 - len(prompt) and eng.compiles_after_warmup == 0
+    assert req.generated == generate_lib.generate(params, cfg, prompt, max_new_tokens=66 - len(prompt))
+
+
+def test_serve_turns_its_default_prefix_cache_off_for_rows_shorter_than_a_block(tmp_path, capsys):
+    """`dsv41 serve --max-model-len 200`: the default prefix cache could never save a block, so the server
+    says so and serves without it; asked for by `--prefix-cache DIR`, the length is refused by name."""
+    import dsv41
+    from dsv41 import cli, server
+    argv = ["serve", "--config", "passkey", "--max-model-len", "200", "--prefill-chunks", "64"]
+    eng, _ = server.build(cli.build_parser().parse_args(argv))
+    assert eng.prefix_cache is None and eng.max_model_len == 200
+    assert "prefix cache off: rows of 200 tokens (--max-model-len) hold no 256-token block" in capsys.readouterr().err
+    with pytest.raises(dsv41.ConfigError, match=r"'max_model_len' = 200: expected at least 258"):
+        server.build(cli.build_parser().parse_args(argv + ["--prefix-cache", str(tmp_path)]))
