@@ -299,6 +299,28 @@ class RowSplit:
         return jax.shard_map(lambda v: tuple(jax.lax.top_k(v, n)), mesh=self.mesh, in_specs=self._spec,
                              out_specs=(self._spec, self._spec))(values)
 
+    def per_device(self, fn, *args):
+        """fn(*args) -> [B, …] run on each device's rows (a `jax.shard_map`): args are arrays [B, …] split as
+        the rows are, or `LayerStore`s whose leaves are [B, …] or stacked [G, B, …] (the layer index the
+        same on every device). Nothing inside is a collective: a gather from the store's rows, left to XLA,
+        all-gathered its indices and all-reduced what it read (on CPU devices)."""
+        entry = spec_entry(self.axes)
+        parts, specs = [], []
+        for a in args:
+            if isinstance(a, LayerStore):
+                lead = () if a.layer is None else (None,)
+                parts.append((a.leaves, None if a.layer is None else jnp.asarray(a.layer, jnp.int32)))
+                specs.append(({k: P(*lead, entry) for k in a.leaves}, None if a.layer is None else P()))
+            else:
+                parts.append(a)
+                specs.append(P(entry))
+
+        def local(*xs):  # each device's rows; its own loop trip counts (check_vma: they differ by device)
+            return fn(*(LayerStore(*x) if isinstance(a, LayerStore) else x for a, x in zip(args, xs)))
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=tuple(specs), out_specs=P(entry),
+                             check_vma=False)(*parts)
+
 
 def _empty_best(rows_BS: tuple, n: int, sentinel: int):
     return jnp.full((*rows_BS, n), NEG_INF, jnp.float32), jnp.full((*rows_BS, n), sentinel, jnp.int32)
@@ -368,7 +390,12 @@ def pool_chunks_top_k(q_BSJd, w_BSJ, keys, block_ids_BSn, block: int, visible_BS
     pool: the chunks' entries ascend, so each merge keeps the lower id among equal scores, as it does.
     keys: the keys [B, T, dI], or the index store (`kv_store.LayerStore`) of the pool's Full layer, read a
     chunk's entries at a time (a Reindex layer's decode: one chunk's code, not the whole pool's, and a
-    chunk's keys in memory). rows: None, or the `RowSplit` of the rows on a mesh (as in `filled_top_k`)."""
+    chunk's keys in memory). rows: None, or the `RowSplit` of the rows on a mesh: each device then scores its
+    own rows' pools, the store's rows it holds (`RowSplit.per_device`)."""
+    if rows is not None:  # each device its own rows' pool: no collective in the loop (`RowSplit.per_device`)
+        return rows.per_device(lambda q, w_, keys_, ids_, vis: pool_chunks_top_k(
+            q, w_, keys_, ids_, block, vis, k, chunk_blocks, unroll, group), q_BSJd, w_BSJ, keys, block_ids_BSn,
+            visible_BS)
     n = block_ids_BSn.shape[-1]
     chunk = min(chunk_blocks, n)
     n_chunks = -(-n // chunk)
@@ -389,8 +416,6 @@ def pool_chunks_top_k(q_BSJd, w_BSJ, keys, block_ids_BSn, block: int, visible_BS
         return _merge_best(best, scores, entry, k_eff, pick)
 
     best, pick = _empty_best(block_ids_BSn.shape[:2], k_eff, num), jax.lax.top_k
-    if rows is not None:
-        best, pick = jax.tree.map(rows.place, best), rows.top_k
     trips = (jnp.max(jnp.sum(block_ids_BSn >= 0, axis=-1)) + chunk - 1) // chunk
     best = jax.lax.fori_loop(0, trips, step, best)
     return _finish_best(best, num, k)
