@@ -169,11 +169,12 @@ def test_rows_shorter_than_a_prefix_cache_block_are_refused_and_short_rows_warm_
     assert req.generated == generate_lib.generate(params, cfg, prompt, max_new_tokens=66 - len(prompt))
 
 
-def test_serve_turns_its_default_prefix_cache_off_for_rows_shorter_than_a_block(tmp_path, capsys):
+def test_serve_turns_its_default_prefix_cache_off_for_rows_shorter_than_a_block(tmp_path, capsys, monkeypatch):
     """`dsv41 serve --max-model-len 200`: the default prefix cache could never save a block, so the server
     says so and serves without it; asked for by `--prefix-cache DIR`, the length is refused by name."""
     import dsv41
     from dsv41 import cli, server
+    monkeypatch.setenv("DSV41_PREFIX_CACHE", str(tmp_path / "default"))  # the default's folder, not ~/.cache
     argv = ["serve", "--config", "passkey", "--max-model-len", "200", "--prefill-chunks", "64"]
     eng, _ = server.build(cli.build_parser().parse_args(argv))
     assert eng.prefix_cache is None and eng.max_model_len == 200

@@ -302,8 +302,8 @@ class RowSplit:
     def per_device(self, fn, *args):
         """fn(*args) -> [B, …] run on each device's rows (a `jax.shard_map`): args are arrays [B, …] split as
         the rows are, or `LayerStore`s whose leaves are [B, …] or stacked [G, B, …] (the layer index the
-        same on every device). Nothing inside is a collective: a gather from the store's rows, left to XLA,
-        all-gathered its indices and all-reduced what it read (on CPU devices)."""
+        same on every device). fn sees only its device's rows, so it needs no collective (a gather from a
+        store's split rows, left to XLA, all-gathered its indices and all-reduced what it read)."""
         entry = spec_entry(self.axes)
         parts, specs = [], []
         for a in args:
@@ -402,7 +402,7 @@ def pool_chunks_top_k(q_BSJd, w_BSJ, keys, block_ids_BSn, block: int, visible_BS
     ids = jnp.pad(block_ids_BSn, [(0, 0), (0, 0), (0, n_chunks * chunk - n)], constant_values=-1)
     if isinstance(keys, LayerStore):
         num = keys.leaves["index_keys"].shape[-2]
-        gather_keys = lambda entry: dequant_keys(keys.gather("index_keys", entry), keys.gather("index_scales", entry))
+        gather_keys = functools.partial(store_keys, keys)
     else:
         num = keys.shape[1]
         gather_keys = functools.partial(jax.vmap(lambda t, i: t[i]), keys)
@@ -452,5 +452,9 @@ def pool_gather_scores(q_BSJd, w_BSJ, store, block_ids_BSn, block: int, visible_
 
     `store` is the Full layer's `kv_store.LayerStore`; only its index_keys and index_scales are read."""
     entry, ok = pool_entries(block_ids_BSn, block, visible_BS)
-    keys = dequant_keys(store.gather("index_keys", entry), store.gather("index_scales", entry))
-    return lightning_scores_per_query(q_BSJd, keys, w_BSJ, ok, unroll), jnp.where(ok, entry, -1)
+    return lightning_scores_per_query(q_BSJd, store_keys(store, entry), w_BSJ, ok, unroll), jnp.where(ok, entry, -1)
+
+
+def store_keys(store, entry_BSP):
+    """The indexer keys of entries [B, S, P] of a Full layer's `kv_store.LayerStore`, dequantised: [B, S, P, dI]."""
+    return dequant_keys(store.gather("index_keys", entry_BSP), store.gather("index_scales", entry_BSP))
