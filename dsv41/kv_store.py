@@ -75,45 +75,93 @@ class LayerStore:
     """One layer's view of stacked store leaves (`cache.Cache`'s window ring [L, B, W, ·] or a stack
     slot's `CompressedKV` [G, B, T, ·]): `leaves` {name: stacked array} and the layer's index on their
     leading axis (an int, or traced inside a scan; None: the leaves are one layer's, unstacked). Reads and
-    writes go to that layer in place: a scanned layer neither copies nor re-stacks the store."""
+    writes go to that layer in place: a scanned layer neither copies nor re-stacks the store.
+
+    row: None (the view holds every row B), or a row index (traced): the leaves' rows are split into D groups
+    of N (`split_rows`: [·, D, N, T, ·] where they were [·, B, T, ·]) and the view holds row `row` of each
+    group, [D, T, ·] (`Attention.step`'s loop over each device's rows)."""
 
     leaves: dict
     layer: object
+    row: object = None
+
+    def _fixed(self) -> dict:
+        """{axis: index} of the leaves' axes the view fixes (the layer's, the row's)."""
+        fixed = {} if self.layer is None else {0: self.layer}
+        if self.row is not None:
+            fixed[len(fixed) + 1] = self.row
+        return fixed
+
+    def _slice(self, x, at: int = 0, size=None):
+        """The view of leaf x, with `size` entries from `at` on its entry axis (the whole axis if size is None)."""
+        fixed = self._fixed()
+        if not fixed and size is None:
+            return x
+        entry = len(fixed) + 1  # the axis after the rows'
+        zero = jnp.zeros((), jnp.int32)
+        begin = [jnp.asarray(fixed[a], jnp.int32) if a in fixed else zero for a in range(x.ndim)]
+        sizes = [1 if a in fixed else x.shape[a] for a in range(x.ndim)]
+        if size is not None:
+            begin[entry], sizes[entry] = jnp.asarray(at, jnp.int32), size
+        return jax.lax.squeeze(jax.lax.dynamic_slice(x, begin, sizes), tuple(fixed))
 
     def get(self, name: str):
-        """The layer's whole leaf [B, T, ·] (a dynamic slice under a scan)."""
-        x = self.leaves[name]
-        if self.layer is None:
-            return x
-        return x[self.layer] if isinstance(self.layer, int) else jax.lax.dynamic_index_in_dim(x, self.layer, 0, False)
+        """The layer's whole leaf [B, T, ·] (a dynamic slice under a scan; [D, T, ·] for a row view)."""
+        return self._slice(self.leaves[name])
 
     def tile(self, name: str, start, size: int):
         """Rows start..start+size-1 of the layer's leaf -> [B, size, ·] (start traced; in bounds)."""
-        x = self.leaves[name]
-        if self.layer is None:
-            return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
-        layer = jnp.asarray(self.layer, jnp.int32)
-        zero = jnp.zeros((), jnp.int32)
-        begin = (layer, zero, jnp.asarray(start, jnp.int32), *([zero] * (x.ndim - 3)))
-        return jax.lax.dynamic_slice(x, begin, (1, x.shape[1], size, *x.shape[3:]))[0]
+        return self._slice(self.leaves[name], start, size)
+
+    def _index(self, x, index):
+        """The index tuple of entries index[r, …] of the view's rows r, in leaf x's axes."""
+        fixed = self._fixed()
+        rows = jnp.arange(index.shape[0]).reshape(-1, *([1] * (index.ndim - 1)))
+        lead = [fixed[a] if a in fixed else rows for a in range(len(fixed) + 1)]
+        return (*lead, index)
 
     def gather(self, name: str, index_BSk):
-        """The leaf's rows index[b, s, j] of each row b -> [B, S, k, ·] (see `gather_rows`)."""
-        return gather_rows(self.leaves[name], index_BSk, self.layer)
+        """The leaf's rows index[b, s, j] of each row b -> [B, S, k, ·] (index clamped; the caller masks invalid
+        picks; no copy of the layer's leaf)."""
+        x = self.leaves[name]
+        entries = x.shape[len(self._fixed()) + 1]
+        return x[self._index(x, jnp.clip(index_BSk, 0, entries - 1))]
 
     def write(self, name: str, values_BNX, index_BN, keep_BN) -> "LayerStore":
-        """The store with leaf[b, index[b, n]] = values[b, n] where keep (see `write_rows`)."""
-        return self.put_leaf(name, write_rows(self.leaves[name], values_BNX, index_BN, keep_BN, self.layer))
+        """The store with leaf[b, index[b, n]] = values[b, n] where keep (others dropped), in place."""
+        x = self.leaves[name]
+        index = jnp.where(keep_BN, index_BN, x.shape[len(self._fixed()) + 1])
+        return self.put_leaf(name, x.at[self._index(x, index)].set(_as_stored(values_BNX, x), mode="drop"))
 
     def put(self, name: str, value) -> "LayerStore":
         """The store with the layer's whole leaf replaced by `value` [B, ·]."""
-        x = self.leaves[name]
-        if self.layer is None:
+        x, fixed = self.leaves[name], self._fixed()
+        if not fixed:
             return self.put_leaf(name, value.astype(x.dtype))
-        return self.put_leaf(name, x.at[self.layer].set(value.astype(x.dtype)))
+        zero = jnp.zeros((), jnp.int32)
+        begin = [jnp.asarray(fixed[a], jnp.int32) if a in fixed else zero for a in range(x.ndim)]
+        return self.put_leaf(name, jax.lax.dynamic_update_slice(
+            x, jnp.expand_dims(value.astype(x.dtype), tuple(fixed)), begin))
 
     def put_leaf(self, name: str, stacked) -> "LayerStore":
         return dataclasses.replace(self, leaves={**self.leaves, name: stacked})
+
+    def split_rows(self, groups: int) -> "LayerStore":
+        """The same store with its rows B split into `groups` groups of B / groups ([·, D, N, T, ·]), viewed at
+        row 0 of each (`at_row`); `merge_rows` undoes it. Reshapes of leading axes: no copy."""
+        a = 0 if self.layer is None else 1
+        split = {k: v.reshape(*v.shape[:a], groups, v.shape[a] // groups, *v.shape[a + 1:])
+                 for k, v in self.leaves.items()}
+        return LayerStore(split, self.layer, 0)
+
+    def at_row(self, row) -> "LayerStore":
+        return dataclasses.replace(self, row=row)
+
+    def merge_rows(self) -> "LayerStore":
+        a = 0 if self.layer is None else 1
+        merged = {k: v.reshape(*v.shape[:a], v.shape[a] * v.shape[a + 1], *v.shape[a + 2:])
+                  for k, v in self.leaves.items()}
+        return LayerStore(merged, self.layer, None)
 
 
 def packed(store) -> bool:

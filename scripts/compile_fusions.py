@@ -140,6 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--stacks", default="", help="comma-separated indices into the plan's layer stacks to run "
                                                 "(default: all)")
     p.add_argument("--stub", default="", help=f"comma-separated parts to stub out: {', '.join(STUBS)}")
+    p.add_argument("--hlo-out", default="", metavar="PATH", help="also write the optimised HLO text there")
     args = p.parse_args(argv)
     parts = [x for x in args.stub.split(",") if x]
     if set(parts) - set(STUBS):
@@ -173,6 +174,9 @@ def main(argv=None) -> int:
         compiled = lowered.compile()
     t2 = time.perf_counter()
     counts = fusions_per_computation(compiled.as_text())
+    if args.hlo_out:
+        with open(args.hlo_out, "w") as f:
+            f.write(compiled.as_text())
     temp = compiled.memory_analysis().temp_size_in_bytes / 2**30
     where = f"one chip of {args.topology}" if args.one_chip else args.topology
     parts_run = f" stacks {args.stacks or 'all'} stubs {args.stub or '-'}" if args.stacks or parts else ""

@@ -78,6 +78,7 @@ class Attention(nnx.Module):
         # The whole-sequence form over blocks of this many queries when the sequence is longer (0: every query
         # at once): memory linear in the sequence length (`_blockwise`).
         self.query_block = int(cfg.runtime.query_block)
+        self.row_loop = bool(cfg.runtime.row_loop)  # a chunk's cached step one row of each device at a time (`step`)
         self._build_compressed_branch(cfg, builds_pool, policy, rngs)
 
     def _build_compressed_branch(self, cfg, builds_pool: bool, policy: Policy, rngs: nnx.Rngs):
@@ -349,12 +350,58 @@ class Attention(nnx.Module):
         it; `entries_ready`: the compressor already wrote these tokens' entries (a CED replay).
         Returns (y [B,S,D], (ring, stores, handoff)): the new ring, `stores` with this layer's store updated
         (a new dict), and what it hands on (its picks and pool ids) or None."""
+        b, s, _ = x_BSD.shape
+        groups = self._row_groups(b, s)
+        rows = (x_BSD, positions_BS, valid_BS, lengths_B, window_start_B, published)
+        if groups is None:
+            out, ring, stores, handoff = self._attend_cached(*rows, ring, stores, entries_ready)
+        else:  # each device's rows one at a time: the program holds one row's attention (docs/compile_time.md)
+            n = b // groups
+
+            def split(a):  # [B, …] -> [n, D, …]: trip i takes row i of each device's n rows
+                return jnp.swapaxes(a.reshape(groups, n, *a.shape[1:]), 0, 1)
+
+            def one(carry, xs):
+                i, *row = xs
+                ring_i = LayerStore(carry[0], ring.layer, i)
+                stores_i = {k: LayerStore(leaves, stores[k].layer, i) for k, leaves in carry[1].items()}
+                out, ring_i, stores_i, handoff = self._attend_cached(*row, ring_i, stores_i, entries_ready)
+                return (ring_i.leaves, {k: v.leaves for k, v in stores_i.items()}), (out, handoff)
+
+            start = (ring.split_rows(groups).leaves, {k: v.split_rows(groups).leaves for k, v in stores.items()})
+            (ring_leaves, store_leaves), (out, handoff) = jax.lax.scan(
+                one, start, (jnp.arange(n, dtype=jnp.int32), *jax.tree.map(split, rows)))
+            ring = LayerStore(ring_leaves, ring.layer, 0).merge_rows()
+            stores = {k: LayerStore(v, stores[k].layer, 0).merge_rows() for k, v in store_leaves.items()}
+            out, handoff = jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape(b, *a.shape[2:]), (out, handoff))
+        for name in ("picks", "pool_ids"):  # what an index source chose (selection replay records it)
+            if handoff is not None and getattr(handoff, name) is not None:
+                self.sow(nnx.Intermediate, name, getattr(handoff, name))
+        return out, (ring, stores, handoff)
+
+    def _row_groups(self, b: int, s: int) -> int | None:
+        """How many row groups `step` splits a chunk's B rows into, looping over the rows of each (the rows each
+        device holds: one group a device); None: no loop (decode, a single row a device, `runtime.row_loop`
+        off, or the rows' tokens split over a mesh axis)."""
+        if s == 1 or not self.row_loop:
+            return None
+        layout = self.policy.lowering.layout
+        groups = 1
+        if layout is not None and layout.token_axes:
+            if layout.seq_axes:
+                return None
+            groups = math.prod(layout.mesh.shape[a] for a in layout.token_axes)
+        return groups if b % groups == 0 and b > groups else None
+
+    def _attend_cached(self, x_BSD, positions_BS, valid_BS, lengths_B, window_start_B, published,
+                       ring: LayerStore, stores: dict, entries_ready: bool):
+        """`step` on its rows (all, or one of each device's in its loop): (y [B, S, D], ring, stores, handoff)."""
         rec = self.record
         b, s, _ = x_BSD.shape
-        counts = valid_BS.sum(-1).astype(jnp.int32)
-        new_len = lengths_B + counts
         with jax.named_scope("projections"):
             qr, q, kv = self.project(x_BSD, positions_BS)
+        counts = valid_BS.sum(-1).astype(jnp.int32)
+        new_len = lengths_B + counts
         quantised = packed(ring.leaves["values"])
         if quantised:  # the FP8 ring
             kv_vals, kv_scales = self.encode_window(kv)
@@ -393,9 +440,6 @@ class Attention(nnx.Module):
         if rec.ratio:  # the compressed branch: the layer's own (V4.1 below, V4 `attention_v4`)
             (sel, sel_ok, shared, picks), stores, handoff = self.cached_compressed(
                 x_BSD, qr, positions_BS, lengths_B, counts, published, stores, entries_ready)
-            for name in ("picks", "pool_ids"):  # what an index source chose (selection replay records it)
-                if handoff is not None and getattr(handoff, name) is not None:
-                    self.sow(nnx.Intermediate, name, getattr(handoff, name))
             store = stores.get(rec.kv_source)
             if picks is not None and self.every_entry and self.top_k >= store.leaves["entries"].shape[-2]:
                 # Top-k of at least every entry, no pool: the picks are every visible entry, which every query of
@@ -414,7 +458,7 @@ class Attention(nnx.Module):
             else:  # the Pallas kernel reads the window's bytes themselves (above) and the picked entries
                 out = self._attend_kernel(q, win_vals, win_scales, mask_w, picks, stores)
         with jax.named_scope("output"):
-            return self.output(out, positions_BS), (ring, stores, handoff)
+            return self.output(out, positions_BS), ring, stores, handoff
 
     def window_fake_quant(self, kv_BSK):
         """The window KV as the ring stores it, read back (the forward's `quant: qat`): FP8, UE8M0 per 32."""

@@ -307,10 +307,12 @@ class RowSplit:
         entry = spec_entry(self.axes)
         parts, specs = [], []
         for a in args:
-            if isinstance(a, LayerStore):
+            if isinstance(a, LayerStore):  # its rows (or row groups, `LayerStore.split_rows`) split
                 lead = () if a.layer is None else (None,)
-                parts.append((a.leaves, None if a.layer is None else jnp.asarray(a.layer, jnp.int32)))
-                specs.append(({k: P(*lead, entry) for k in a.leaves}, None if a.layer is None else P()))
+                index = lambda i: None if i is None else jnp.asarray(i, jnp.int32)
+                parts.append((a.leaves, index(a.layer), index(a.row)))
+                specs.append(({k: P(*lead, entry) for k in a.leaves}, None if a.layer is None else P(),
+                              None if a.row is None else P()))
             else:
                 parts.append(a)
                 specs.append(P(entry))
