@@ -113,11 +113,14 @@ def _checks() -> dict:
     # (measured: 723 forward logits move by up to 1.1e-5 at qat, none beyond 2.7e-7 with quant none).
     # Score tiles of 8 entries and query blocks of 8 tokens: the indexer's running top-k over the filled tiles
     # (`indexer.filled_top_k`, a loop) runs in the forward and in the cached steps on the 32-entry stores.
-    cfg = config_lib.build(small_config("none").to_dict(), ["runtime.score_tile=8", "runtime.query_block=8"])
+    # The chunk's attention as a loop over each device's rows (`runtime.row_loop`, a TPU's default): each of the
+    # 8 devices holds 2 of the 16 rows.
+    cfg = config_lib.build(small_config("none").to_dict(), ["runtime.score_tile=8", "runtime.query_block=8",
+                                                            "runtime.row_loop=on"])
     rng = np.random.default_rng(0)
-    b, s, cap = 8, 12, 32
+    b, s, cap = 16, 12, 32
     tokens = rng.integers(0, cfg.architecture.vocab_size, (b, s)).astype(np.int32)
-    lengths = np.array([12, 5, 9, 1, 12, 7, 3, 11], np.int32)   # ragged rows
+    lengths = np.array([12, 5, 9, 1, 12, 7, 3, 11, 2, 12, 8, 4, 10, 6, 12, 1], np.int32)   # ragged rows
     steps = rng.integers(0, cfg.architecture.vocab_size, (2, b)).astype(np.int32)
     params = dsv41.init_params(cfg, jax.random.key(0))
 
@@ -148,7 +151,12 @@ def _checks() -> dict:
         decode = sh._jitted("step", key, mesh, rules, ((b, 1), None, cap))
         traced = {"forward": shard_maps(sh._jitted("forward", key, mesh, rules, fwd_shapes), p, *fwd_args),
                   "decode": shard_maps(decode, *step_args)}
-        loops = loops_with_collectives(decode.lower(*step_args).compile().as_text()) if shape == MESHES[1] else []
+        loops = []
+        if shape == MESHES[1]:  # the decode step, and the prefill chunk (its attention a loop over each device's rows)
+            chunk = sh._jitted("step", key, mesh, rules, ((b, s), None, cap))
+            chunk_args = (p, c, sh.put(tokens, sh.batch_sharding(mesh, "serve", (b, s), "tokens")), step_args[3], None)
+            loops = [f"{what}: {op}" for what, fn, args in (("decode", decode, step_args), ("chunk", chunk, chunk_args))
+                     for op in loops_with_collectives(fn.lower(*args).compile().as_text())]
         cache_diff = max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max(initial=0.0))
                          for x, y in zip(jax.tree.leaves(c), jax.tree.leaves(ref_cache)))
         layer = p["stacks"][1]["slots"][0]  # layer 2 (after the two window-only layers' stack)

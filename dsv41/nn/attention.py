@@ -78,7 +78,7 @@ class Attention(nnx.Module):
         # The whole-sequence form over blocks of this many queries when the sequence is longer (0: every query
         # at once): memory linear in the sequence length (`_blockwise`).
         self.query_block = int(cfg.runtime.query_block)
-        self.row_loop = bool(cfg.runtime.row_loop)  # a chunk's cached step one row of each device at a time (`step`)
+        self.row_loop = cfg.runtime.row_loop  # a chunk's cached step one row of each device at a time (`step`)
         self._build_compressed_branch(cfg, builds_pool, policy, rngs)
 
     def _build_compressed_branch(self, cfg, builds_pool: bool, policy: Policy, rngs: nnx.Rngs):
@@ -382,10 +382,11 @@ class Attention(nnx.Module):
     def _row_groups(self, b: int, s: int) -> int | None:
         """How many row groups `step` splits a chunk's B rows into, looping over the rows of each (the rows each
         device holds: one group a device); None: no loop (decode, a single row a device, `runtime.row_loop`
-        off, or the rows' tokens split over a mesh axis)."""
-        if s == 1 or not self.row_loop:
-            return None
+        off, "auto" on another platform than a TPU, or the rows' tokens split over a mesh axis)."""
         layout = self.policy.lowering.layout
+        on = self.row_loop == "on" or (self.row_loop == "auto" and dispatch.platform(layout) == "tpu")
+        if s == 1 or not on:
+            return None
         groups = 1
         if layout is not None and layout.token_axes:
             if layout.seq_axes:
