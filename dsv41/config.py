@@ -351,7 +351,7 @@ def _validate_common(cfg) -> None:
     _one_of(cfg, "runtime.compute_dtype", ("float32", "bfloat16"))
     _one_of(cfg, "runtime.prefill_schedule", ("full", "ced"))
     _one_of(cfg, "runtime.kernels", ("auto", "pallas", "pallas_interpret", "reference"))
-    _one_of(cfg, "runtime.row_loop", ("auto", "on", "off"))
+    _one_of(cfg, "runtime.row_loop", ("off", "on"))
     e = a.engram
     _positive(cfg, "architecture.engram.heads_per_ngram", "architecture.engram.row_dim",
               "architecture.engram.compressed_vocab_size", "architecture.engram.prime_floor")

@@ -99,12 +99,12 @@ _V41 = {
     # the cached steps' XLA indexer scores per loop trip, over the filled tiles only (DESIGN §6). query_block:
     # the whole-sequence forward (training) runs a longer sequence's attention in blocks of this many queries,
     # in memory linear in its length (0: every query at once, memory quadratic). row_loop: "on" runs a prefill chunk's
-    # attention layers as a loop over the rows each device holds, one row of each device a trip, so that their program
-    # is emitted at one row's shapes (full size on v5p: the chunk's compile −10 %, its temporaries −31 %; on this
-    # CPU `small`'s batch-8 prefill runs 1.6× slower: docs/compile_time.md); "off" every row at once; "auto" (the
-    # default) "on" for a TPU, else "off". Decode steps and one row a device always run every row at once.
+    # attention layers as a loop over the rows each device holds, one row of each device a trip: their program is
+    # emitted at one row's shapes (full size on v5p: 16 % fewer bundles, 31 % fewer temporaries, the compile time
+    # within this machine's noise; on this CPU `small`'s batch-8 prefill 1.6× slower: docs/compile_time.md); "off"
+    # (the default) every row at once. Decode steps always run every row at once.
     "runtime": {"param_dtype": "float32", "compute_dtype": "float32", "prefill_schedule": "full", "kernels": "auto",
-                "score_tile": 1024, "query_block": 512, "row_loop": "auto"},
+                "score_tile": 1024, "query_block": 512, "row_loop": "off"},
     # Model dimensions (DESIGN §2): the block the user schema does not have.
     "architecture": {
         "family": V41,

@@ -113,8 +113,8 @@ def _checks() -> dict:
     # (measured: 723 forward logits move by up to 1.1e-5 at qat, none beyond 2.7e-7 with quant none).
     # Score tiles of 8 entries and query blocks of 8 tokens: the indexer's running top-k over the filled tiles
     # (`indexer.filled_top_k`, a loop) runs in the forward and in the cached steps on the 32-entry stores.
-    # The chunk's attention as a loop over each device's rows (`runtime.row_loop`, a TPU's default): each of the
-    # 8 devices holds 2 of the 16 rows.
+    # The chunk's attention as a loop over each device's rows (`runtime.row_loop`): each of the 8 devices holds 2 of
+    # the 16 rows.
     cfg = config_lib.build(small_config("none").to_dict(), ["runtime.score_tile=8", "runtime.query_block=8",
                                                             "runtime.row_loop=on"])
     rng = np.random.default_rng(0)

@@ -381,12 +381,11 @@ class Attention(nnx.Module):
 
     def _row_groups(self, b: int, s: int) -> int | None:
         """How many row groups `step` splits a chunk's B rows into, looping over the rows of each (the rows each
-        device holds: one group a device); None: no loop (decode, a single row a device, `runtime.row_loop`
-        off, "auto" on another platform than a TPU, or the rows' tokens split over a mesh axis)."""
-        layout = self.policy.lowering.layout
-        on = self.row_loop == "on" or (self.row_loop == "auto" and dispatch.platform(layout) == "tpu")
-        if s == 1 or not on:
+        device holds: one group a device); None: no loop (`runtime.row_loop` off, decode, a single row a device,
+        or the rows' tokens split over a mesh axis)."""
+        if s == 1 or self.row_loop != "on":
             return None
+        layout = self.policy.lowering.layout
         groups = 1
         if layout is not None and layout.token_axes:
             if layout.seq_axes:
