@@ -349,7 +349,8 @@ class Attention(nnx.Module):
         them) to their `LayerStore` of `CompressedKV` leaves; published: {layer: Handoff} of the layers before
         it; `entries_ready`: the compressor already wrote these tokens' entries (a CED replay).
         Returns (y [B,S,D], (ring, stores, handoff)): the new ring, `stores` with this layer's store updated
-        (a new dict), and what it hands on (its picks and pool ids) or None."""
+        (a new dict), and what it hands on (its picks and pool ids) or None. With `runtime.row_loop: on` a chunk
+        runs as a loop over the rows each device holds (`_row_groups`), the stores viewed a row at a time."""
         b, s, _ = x_BSD.shape
         groups = self._row_groups(b, s)
         rows = (x_BSD, positions_BS, valid_BS, lengths_B, window_start_B, published)
@@ -559,15 +560,17 @@ class Attention(nnx.Module):
             return self._select_filled(qI, w, positions_BS, visible_count, published, store)
         keys = dequant_keys(store.get("index_keys"), store.get("index_scales"))
         scores = ix.lightning_scores(qI, keys, w, ix.visible_entries(positions_BS, rec.ratio, num), indexer.unroll)
+        rows = self._rows(b)  # on a mesh, each device's rows' top-k (a plain one gathers every row's scores)
+        pick = jax.lax.top_k if rows is None else rows.top_k
         pool_ids = None
         if self.builds_pool:
-            pool_ids = ix.candidate_block_ids(scores, visible_count, self.pool_max_blocks, self.pool_block_size)
+            pool_ids = ix.candidate_block_ids(scores, visible_count, self.pool_max_blocks, self.pool_block_size, pick)
         if rec.candidate_source is not None:
             pool = published[rec.candidate_source].pool_ids
             in_pool = ix.blocks_to_entries(ix.block_ids_to_mask(pool, -(-num // self.pool_block_size)),
                                            self.pool_block_size, num)
             scores = jnp.where(in_pool, scores, NEG_INF)
-        return Handoff(picks=ix.top_k_indices(scores, self.top_k), pool_ids=pool_ids)
+        return Handoff(picks=ix.top_k_indices(scores, self.top_k, pick), pool_ids=pool_ids)
 
     def _select_filled(self, qI_BSJd, w_BSJ, positions_BS, visible_count_BS, published, store) -> Handoff:
         """`_select`'s scores, pool and top-k over the store's filled tiles only (`indexer.filled_top_k`): the

@@ -213,10 +213,11 @@ def visible_entries(positions_BS, ratio: int, num_entries: int):
     return jnp.arange(num_entries)[None, None, :] < ((positions_BS + 1) // ratio)[..., None]
 
 
-def top_k_indices(scores_BST, k: int):
-    """The top-k entries per query, sorted ascending, −1 where fewer than k are reachable. [B, S, k]."""
+def top_k_indices(scores_BST, k: int, top_k=jax.lax.top_k):
+    """The top-k entries per query, sorted ascending, −1 where fewer than k are reachable. [B, S, k]. top_k: the
+    `jax.lax.top_k` to use (`RowSplit.top_k` on a mesh)."""
     k_eff = min(k, scores_BST.shape[-1])
-    values, idx = jax.lax.top_k(scores_BST, k_eff)
+    values, idx = top_k(scores_BST, k_eff)
     idx = jnp.where(values > NEG_INF, idx, scores_BST.shape[-1])
     idx = jnp.sort(idx, axis=-1)
     idx = jnp.where(idx == scores_BST.shape[-1], -1, idx)
@@ -248,10 +249,11 @@ def indices_to_mask(idx_BSk, num_entries: int):
     return block_ids_to_mask(idx_BSk, num_entries)
 
 
-def candidate_block_ids(scores_BST, visible_count_BS, max_blocks: int, block: int):
+def candidate_block_ids(scores_BST, visible_count_BS, max_blocks: int, block: int, top_k=jax.lax.top_k):
     """[B, S, max_blocks] int32: the blocks kept in the candidate pool, ascending, −1 padded (DESIGN §3.4).
 
     Block score = max of I over its `block` entries; the block of the newest visible entry is always kept.
+    top_k: as `top_k_indices`'.
     """
     t = scores_BST.shape[-1]
     pad = -t % block
@@ -260,7 +262,7 @@ def candidate_block_ids(scores_BST, visible_count_BS, max_blocks: int, block: in
     n_blocks = block_scores.shape[-1]
     newest = (visible_count_BS - 1) // block  # −1 (nothing visible) pins nothing
     block_scores = jnp.where(jnp.arange(n_blocks) == newest[..., None], jnp.inf, block_scores)
-    values, idx = jax.lax.top_k(block_scores, min(max_blocks, n_blocks))
+    values, idx = top_k(block_scores, min(max_blocks, n_blocks))
     ids = jnp.sort(jnp.where(values > NEG_INF, idx, n_blocks), axis=-1)
     ids = jnp.where(ids == n_blocks, -1, ids).astype(jnp.int32)
     if ids.shape[-1] < max_blocks:
