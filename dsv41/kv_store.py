@@ -20,10 +20,6 @@ from dsv41 import quant
 from dsv41.errors import ConfigError
 
 
-def _rows(x):
-    return jnp.arange(x.shape[0])[:, None]
-
-
 def to_words(bytes_u8):
     """uint8 [..., X] (X even) -> the same bytes as uint16 words [..., X/2] (byte 2i the low half of word i)."""
     return jax.lax.bitcast_convert_type(bytes_u8.reshape(*bytes_u8.shape[:-1], -1, 2), jnp.uint16)
@@ -50,24 +46,10 @@ def ring_positions(lengths_B, window: int):
     return last - jnp.mod(last - jnp.arange(window), window)
 
 
-def write_rows(store, values_BNX, index_BN, keep_BN, layer=None):
-    """store[b, index[b, n]] = values[b, n] where keep (others dropped). With `layer` (an int or a traced
-    index), store is stacked [G, B, T, ...] and layer `layer` is written, in place."""
-    if layer is not None:
-        index = jnp.where(keep_BN, index_BN, store.shape[2])
-        return store.at[layer, _rows(index), index].set(_as_stored(values_BNX, store), mode="drop")
-    index = jnp.where(keep_BN, index_BN, store.shape[1])
-    return store.at[_rows(index), index].set(_as_stored(values_BNX, store), mode="drop")
-
-
-def gather_rows(store, index_BSk, layer=None):
-    """store[b, index[b, s, j]] -> [B, S, k, ...] (index clamped; the caller masks invalid picks). With
-    `layer`, store is stacked [G, B, T, ...] and layer `layer` is read (no copy of the layer's leaf)."""
-    if layer is not None:
-        b = jnp.arange(store.shape[1])[:, None, None]
-        return store[layer, b, jnp.clip(index_BSk, 0, store.shape[2] - 1)]
-    b = jnp.arange(store.shape[0])[:, None, None]
-    return store[b, jnp.clip(index_BSk, 0, store.shape[1] - 1)]
+def gather_rows(store, index_BSk):
+    """store[b, index[b, s, j]] -> [B, S, k, ...] of an unstacked leaf [B, T, ...] (index clamped; the caller masks
+    invalid picks): `LayerStore.gather`'s rule, for the kernels' references."""
+    return LayerStore({"leaf": store}, None).gather("leaf", index_BSk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,14 +74,19 @@ class LayerStore:
             fixed[len(fixed) + 1] = self.row
         return fixed
 
+    @staticmethod
+    def _begin(x, fixed: dict) -> list:
+        """A dynamic slice's start of leaf x at the fixed axes' indices (0 elsewhere)."""
+        zero = jnp.zeros((), jnp.int32)
+        return [jnp.asarray(fixed[a], jnp.int32) if a in fixed else zero for a in range(x.ndim)]
+
     def _slice(self, x, at: int = 0, size=None):
         """The view of leaf x, with `size` entries from `at` on its entry axis (the whole axis if size is None)."""
         fixed = self._fixed()
         if not fixed and size is None:
             return x
         entry = len(fixed) + 1  # the axis after the rows'
-        zero = jnp.zeros((), jnp.int32)
-        begin = [jnp.asarray(fixed[a], jnp.int32) if a in fixed else zero for a in range(x.ndim)]
+        begin = self._begin(x, fixed)
         sizes = [1 if a in fixed else x.shape[a] for a in range(x.ndim)]
         if size is not None:
             begin[entry], sizes[entry] = jnp.asarray(at, jnp.int32), size
@@ -138,10 +125,8 @@ class LayerStore:
         x, fixed = self.leaves[name], self._fixed()
         if not fixed:
             return self.put_leaf(name, value.astype(x.dtype))
-        zero = jnp.zeros((), jnp.int32)
-        begin = [jnp.asarray(fixed[a], jnp.int32) if a in fixed else zero for a in range(x.ndim)]
         return self.put_leaf(name, jax.lax.dynamic_update_slice(
-            x, jnp.expand_dims(value.astype(x.dtype), tuple(fixed)), begin))
+            x, jnp.expand_dims(value.astype(x.dtype), tuple(fixed)), self._begin(x, fixed)))
 
     def put_leaf(self, name: str, stacked) -> "LayerStore":
         return dataclasses.replace(self, leaves={**self.leaves, name: stacked})

@@ -205,10 +205,11 @@ def test_a_chunk_runs_its_attention_one_row_at_a_time():
     for s in (32, 1):
         for loop in ("on", "off"):
             cfg = dsv41.load_config("tiny", [f"runtime.row_loop={loop}"])
-            ids = len(cfg.architecture.engram.layers)
+            e = cfg.architecture.engram  # hash ids [B, S, Engram layers, (max_ngram - 1) · heads_per_ngram]
+            ids = (len(e.layers), (e.max_ngram - 1) * e.heads_per_ngram)
             lowered = steps.lower(model_lib.abstract_params(cfg), cfg, cache_lib.abstract_cache(cfg, 4, 256),
                                   jax.ShapeDtypeStruct((4, s), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32),
-                                  jax.ShapeDtypeStruct((4, s, ids, 8), jnp.int32) if ids else None)
+                                  jax.ShapeDtypeStruct((4, s, *ids), jnp.int32) if ids[0] else None)
             text = lowered.as_text()
             temp = lowered.compile().memory_analysis().temp_size_in_bytes if s > 1 else None
             seen[s, loop] = (text.count("stablehlo.while"), temp, text)

@@ -399,10 +399,10 @@ class Attention(nnx.Module):
         """`step` on its rows (all, or one of each device's in its loop): (y [B, S, D], ring, stores, handoff)."""
         rec = self.record
         b, s, _ = x_BSD.shape
-        with jax.named_scope("projections"):
-            qr, q, kv = self.project(x_BSD, positions_BS)
         counts = valid_BS.sum(-1).astype(jnp.int32)
         new_len = lengths_B + counts
+        with jax.named_scope("projections"):
+            qr, q, kv = self.project(x_BSD, positions_BS)
         quantised = packed(ring.leaves["values"])
         if quantised:  # the FP8 ring
             kv_vals, kv_scales = self.encode_window(kv)
