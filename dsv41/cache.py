@@ -112,7 +112,7 @@ def store_slots(cfg) -> tuple[tuple[int, int], ...]:
     """(stack, slot) of each `Cache.compressed` entry: the stack slots whose layers own a compressor."""
     plan = layer_plan(cfg)
     return tuple((s, j) for s, st in enumerate(layer_stacks(cfg)) for j in range(st.slots)
-                 if plan[st.slot_layers(0, j)[0]].stores_entries)  # a store's slot holds one layer
+                 if plan[st.slot_layers(st.template, j)[0]].stores_entries)  # a store's slot holds one layer
 
 
 def store_of(cfg, layer: int) -> tuple[int, int]:
@@ -121,7 +121,7 @@ def store_of(cfg, layer: int) -> tuple[int, int]:
     slots = store_slots(cfg)
     if (s, j) not in slots:
         raise ValueError(f"layer: {layer}: expected a layer that owns a compressor, one of {full_layers(cfg)}")
-    return slots.index((s, j)), g
+    return slots.index((s, j)), layer_stacks(cfg)[s].row(g, j)
 
 
 def ring_slots(cfg) -> tuple[tuple[int, int], ...]:

@@ -18,6 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dsv41 import stacking
+from dsv41.plan import layer_stacks
 
 
 class Checkpointer:
@@ -56,8 +57,8 @@ class Checkpointer:
         abstract_state: a pytree of jax.ShapeDtypeStruct (`train.abstract_state`) giving the structure;
         shardings: a matching pytree of jax.sharding.Sharding to place each array (default: the
         abstract leaves' own `.sharding`, else one device). cfg: the model config; with it, a checkpoint
-        written before the layer stacks (per-layer paths `layers.{i}.…`) is read and stacked
-        (`stacking.restack`), so old runs resume.
+        written before the layer stacks (per-layer paths `layers.{i}.…`), or stacked before a stack could have
+        a lead (`plan.Stack.lead`), is read and stacked anew (`stacking.restack`), so old runs resume.
         """
         step = self.latest_step() if step is None else step
         if step is None:
@@ -81,13 +82,17 @@ class Checkpointer:
         return out["state"], out["data"]
 
     def _restack(self, step: int, abstract_state, cfg):
-        """(state, data) of a step written before the layer stacks (per-layer paths), read without a target and
-        stacked; None when the step has no per-layer paths."""
+        """(state, data) of a step written in an older layout (per-layer paths, or the stacks without leads),
+        read without a target and stacked; None when the step has neither."""
         raw = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
-        if not stacking.is_per_layer(raw["state"]):
-            return None
-        state = stacking.restack(raw["state"], abstract_state, cfg)
+        if stacking.is_per_layer(raw["state"]):
+            old = raw["state"]
+        else:  # stacked before `plan.Stack.lead` (V4.1-Flash's Reuse layers 21-23 a stack of their own)
+            old = stacking.unstacked(raw["state"], cfg, layer_stacks(cfg, leads=False))
+            if old is None or layer_stacks(cfg, leads=False) == layer_stacks(cfg):
+                return None
+        state = stacking.restack(old, abstract_state, cfg)
         state = jax.tree.map(lambda x, a: jax.device_put(np.asarray(x, a.dtype), a.sharding), state, abstract_state)
         return state, raw["data"]
 

@@ -153,12 +153,19 @@ class Stack:
     unrolled. layers[g][i]: the i-th layer of group g. Inside a group, `runs` cuts the layers into
     `slots`: slot j holds runs[j] consecutive identical layers (parameters [G, runs[j], ...]; a run of
     more than one layer is an inner `lax.scan`). Only layers that own no cache store and feed no other
-    layer share a slot. The modules of slot j are built from the records of group 0's
-    first layer of the slot, whose layer numbers are what a group's layers call each other (a source
-    outside the stack is the same layer for every group)."""
+    layer share a slot. The modules of slot j are built from the records of the template
+    group's first layer of the slot, whose layer numbers are what a group's layers call each other (a
+    source outside the stack is the same layer for every group).
+
+    lead: group 0's slot 0 is not this stack's: layers[0][0] is the last layer of the stack before
+    (V4.1-Flash's decoder Full layer 20), which ran already and whose hand-off (picks) group 0's later
+    slots read in place of a slot-0 layer's (layers 21-23 join the `[reindex, reuse×3]` scan as its group
+    0). Slot 0 then holds G - 1 layers ([G - 1, ...], group g at g - 1) and runs under a `lax.cond`
+    (`nn.model.LayerStack.run`); the template is group 1."""
 
     layers: tuple[tuple[int, ...], ...]
     runs: tuple[int, ...] = ()  # () : one layer per slot
+    lead: bool = False
 
     def __post_init__(self):
         if not self.runs:
@@ -187,23 +194,45 @@ class Stack:
         """Where slot j starts inside a group."""
         return sum(self.runs[:j])
 
+    @property
+    def template(self) -> int:
+        """The group whose records the slots' modules are built from: 0, or 1 for a stack with a lead."""
+        return int(self.lead)
+
+    def skips(self, g, j: int) -> bool:
+        """Whether group g (an int) has no layer of its own in slot j: group 0's slot 0 of a stack with a lead."""
+        return self.lead and j == 0 and g == 0
+
     def slot_layers(self, g: int, j: int) -> tuple[int, ...]:
-        """The layers of group g in slot j (runs[j] of them)."""
+        """The layers of group g in slot j (runs[j] of them; none where the group skips the slot)."""
+        if self.skips(g, j):
+            return ()
         return self.layers[g][self.offset(j):self.offset(j) + self.runs[j]]
+
+    def rows(self, j: int) -> int:
+        """The size of slot j's leading layers axis: the groups that have the slot."""
+        return self.groups - int(self.lead and j == 0)
+
+    def row(self, g, j: int):
+        """Group g's index on slot j's leading axis (g - 1 in slot 0 of a stack with a lead); g may be traced."""
+        return g - 1 if self.lead and j == 0 else g
 
     def grid(self, j: int) -> tuple:
         """The layer numbers of slot j as its parameters' leading axes hold them: [G] (nested tuples
-        [G][R] for a run of more than one layer)."""
+        [G][R] for a run of more than one layer; G - 1 groups in slot 0 of a stack with a lead)."""
+        groups = [g for g in range(self.groups) if not self.skips(g, j)]
         if self.runs[j] == 1:
-            return tuple(self.slot_layers(g, j)[0] for g in range(self.groups))
-        return tuple(self.slot_layers(g, j) for g in range(self.groups))
+            return tuple(self.slot_layers(g, j)[0] for g in groups)
+        return tuple(self.slot_layers(g, j) for g in groups)
 
     def locate(self, layer: int) -> tuple[int, int, int] | None:
-        """(group, slot, position in the slot's run) of a layer of this stack, else None."""
+        """(group, slot, position in the slot's run) of a layer of this stack, else None (the lead's too)."""
         for g, group in enumerate(self.layers):
             if layer in group:
                 i = group.index(layer)
                 j = max(k for k in range(self.slots) if self.offset(k) <= i)
+                if self.skips(g, j):
+                    return None
                 return g, j, i - self.offset(j)
         return None
 
@@ -216,16 +245,19 @@ def _signature(r: LayerRecord, start: int, hash_layers: int, pools: set) -> tupl
             rel(r.kv_source), rel(r.index_source), rel(r.candidate_source))
 
 
-def layer_stacks(cfg) -> tuple[Stack, ...]:
+def layer_stacks(cfg, leads: bool = True) -> tuple[Stack, ...]:
     """The plan cut into stacks, left to right: at each layer the run of repeated groups that covers the
     most layers (a shorter group on ties), else the layer alone. Engram does not split stacks: its tables
     sit outside them (`nn.model.Transformer.engram_step`). A group whose layers are read by a later layer
-    outside it does not stack (only a one-group stack hands its results on)."""
-    return _stacks(layer_plan(cfg), int(cfg.architecture.moe.hash_layers))
+    outside it does not stack (only a one-group stack hands its results on). Then a stack of groups whose
+    slot 0 is an index source is extended by one group at its front when the layers before it are a
+    group without its slot 0 whose index source is the layer before them (`Stack.lead`). leads=False:
+    the stacks without that step (the layout of checkpoints written before it, `checkpoint.Checkpointer`)."""
+    return _stacks(layer_plan(cfg), int(cfg.architecture.moe.hash_layers), leads)
 
 
 @functools.lru_cache(maxsize=32)
-def _stacks(plan: tuple[LayerRecord, ...], hash_layers: int) -> tuple[Stack, ...]:
+def _stacks(plan: tuple[LayerRecord, ...], hash_layers: int, leads: bool = True) -> tuple[Stack, ...]:
     n = len(plan)
     pools = {r.candidate_source for r in plan if r.candidate_source is not None}
     readers = {}  # source layer -> the layers that read it
@@ -254,7 +286,41 @@ def _stacks(plan: tuple[LayerRecord, ...], hash_layers: int) -> tuple[Stack, ...
         stacks.append(Stack(tuple(tuple(range(i + g * p, i + (g + 1) * p)) for g in range(reps)),
                             _runs(plan, i, p, hash_layers, pools, readers)))
         i += p * reps
-    return tuple(stacks)
+    return tuple(_with_leads(plan, stacks, hash_layers, pools) if leads else stacks)
+
+
+def _with_leads(plan, stacks: list, hash_layers: int, pools: set) -> list:
+    """`stacks` with each scanned stack whose slot 0 is an index source that owns no store (a Reindex layer)
+    grown by a group 0 at its front that lacks slot 0: the layers v + 1 .. first - 1 (v = first - width,
+    the end of an earlier stack) when they match the template group's later slots, with layer v standing
+    for slot 0 wherever a layer reads it (V4.1-Flash: 21-23, reading Full layer 20's entries and picks,
+    join `[reindex, reuse×3]` × 4)."""
+    out = list(stacks)
+    k = 0
+    while k < len(out):
+        st = out[k]
+        v, head = st.first - st.width, plan[st.first]
+        starts = [m for m in range(k) if out[m].first == v + 1]
+        if (st.groups < 2 or st.lead or st.runs[0] != 1 or v < 0 or not starts or head.stores_entries
+                or head.index_source != head.index or plan[v].index_source != v or plan[v].stage != head.stage):
+            k += 1
+            continue
+        template = [_signature(plan[st.first + i], st.first, hash_layers, pools) for i in range(st.width)]
+
+        def fits(i):  # layer v + i against the template's position i, v standing for slot 0's layer
+            r, want = plan[v + i], template[i]
+            mine = list(_signature(r, v, hash_layers, pools))
+            for f, src in zip(range(5, 8), (r.kv_source, r.index_source, r.candidate_source)):
+                if src == v and want[f] == ("out", v):
+                    mine[f] = want[f]
+            return tuple(mine) == want
+
+        if all(fits(i) for i in range(1, st.width)):
+            m = starts[0]
+            out[m:k + 1] = [Stack(((v, *range(v + 1, st.first)), *st.layers), st.runs, lead=True)]
+            k = m
+        k += 1
+    return out
 
 
 def _runs(plan, start: int, width: int, hash_layers: int, pools: set, readers: dict) -> tuple[int, ...]:

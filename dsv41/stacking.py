@@ -4,7 +4,8 @@ The model keeps each layer's parameters in its stack: `stacks.{s}.slots.{j}.…`
 axis [G, ...] (`plan.layer_stacks`). Everything outside the model speaks per layer — checkpoint files
 (`layers.{i}.attn.wq_a.w`), the official and transformers names, a test reading layer 6's indexer — and
 goes through the one map here: layer i = (stack s, group g, slot j, run position r) of `plan.layer_slot`;
-a slot holding a run of identical layers keeps its leaves [G, R, ...] (`plan.Stack.grid`). The Engram
+a slot holding a run of identical layers keeps its leaves [G, R, ...] (`plan.Stack.grid`; slot 0 of a
+stack with a lead holds G - 1 groups, `plan.Stack.row`). The Engram
 modules sit outside the stacks, `engram.{k}.…` for the k-th Engram layer (`layers.{i}.engram.…`).
 """
 
@@ -104,11 +105,38 @@ def is_per_layer(tree) -> bool:
                for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
 
 
+def unstacked(tree, cfg, stacks) -> dict | None:
+    """{per-layer key names: leaf} of a saved tree stacked in the layout `stacks` (`plan.layer_stacks(cfg,
+    leads=False)`: how dsv41 stacked layers before `plan.Stack.lead`), None when a stacked leaf's leading
+    axes are not that layout's."""
+    grids, engram = _grids(stacks), engram_layers(cfg)
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        keys = _key_names(path)
+        if ENGRAM in keys and "stacks" not in keys and engram:
+            at = keys.index(ENGRAM)
+            out[(*keys[:at], LAYERS, str(engram[int(keys[at + 1])]), ENGRAM, *keys[at + 2:])] = leaf
+            continue
+        if "stacks" not in keys:
+            out[keys] = leaf
+            continue
+        at = keys.index("stacks")
+        grid = grids.get((int(keys[at + 1]), int(keys[at + 3])))
+        if grid is None or tuple(np.shape(leaf)[:grid.ndim]) != grid.shape:
+            return None
+        leaf = np.asarray(leaf)
+        for index in np.ndindex(*grid.shape):
+            out[(*keys[:at], LAYERS, str(grid[index]), *keys[at + 4:])] = leaf[index]
+    return out
+
+
 def restack(old_tree, abstract_tree, cfg):
     """A tree with per-layer paths (`layers.{i}.…`, as dsv41 saved parameters, optimiser moments and
-    buffers before the layer stacks) in the structure of `abstract_tree` (stacked): each stacked leaf is its
-    G layers' leaves stacked. Raises ValueError naming a path the old tree lacks."""
-    old = {_key_names(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(old_tree)[0]}
+    buffers before the layer stacks; or such {key names: leaf}, `unstacked`) in the structure of
+    `abstract_tree` (stacked): each stacked leaf is its G layers' leaves stacked. Raises ValueError naming a
+    path the old tree lacks."""
+    old = old_tree if isinstance(old_tree, dict) and all(isinstance(k, tuple) for k in old_tree) else {
+        _key_names(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(old_tree)[0]}
     grids, engram = _grids(layer_stacks(cfg)), engram_layers(cfg)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_tree)
     out = []

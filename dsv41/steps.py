@@ -240,16 +240,16 @@ def _run(model, cfg, stage, state: _State, published, inputs: _Inputs, entries_r
 
         def layer_fn(block, at, state: _State, published, s=s, spec=spec, ready=ready):
             compressed = list(state.compressed)
-            rec = block.attn.record  # group 0's: its sources inside the stack are this group's
-            kr = rings.index((s, at.j))  # this slot's ring leaf, the layer at g · run + r on its leading axis
+            rec = block.attn.record  # the template group's: its sources inside the stack are this group's
+            kr = rings.index((s, at.j))  # this slot's ring leaf, the layer at row · run + r on its leading axis
             ring = LayerStore({"values": state.window[kr], "scales": state.window_scales[kr]},
-                              at.g * spec.runs[at.j] + at.r)
+                              spec.row(at.g, at.j) * spec.runs[at.j] + at.r)
             stores, where = {}, {}
             if rec.kv_source is not None:
                 src = rec.kv_source
                 inside = spec.locate(src)
-                if inside is not None and inside[0] == 0:  # in this group (a store's slot holds one layer)
-                    k, src_group = slots.index((s, inside[1])), at.g
+                if inside is not None and inside[0] == spec.template:  # in this group (a store's slot: one layer)
+                    k, src_group = slots.index((s, inside[1])), spec.row(at.g, inside[1])
                 else:
                     k, src_group = store_of(cfg, src)
                 stores[src], where[src] = LayerStore(vars(compressed[k]).copy(), src_group), k

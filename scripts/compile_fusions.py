@@ -90,12 +90,12 @@ def stages(log: str) -> list[str]:
 STUBS = ("moe", "mixes", "expand", "attention", "core", "engram")
 
 
-def only_stacks(firsts: set[int]):
-    """Runs only the stacks whose first layer is in `firsts` (the others return what they were given)."""
+def only_stacks(chosen: list):
+    """Runs only the stacks in `chosen` (`plan.Stack`s; the others return what they were given)."""
     run = model_lib.LayerStack.run
 
     def gated(self, layer_fn, carry, published, **kwargs):
-        if self.spec.first not in firsts:
+        if self.spec not in chosen:
             return carry, published, None
         return run(self, layer_fn, carry, published, **kwargs)
 
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
         if any(not 0 <= x < len(stacks) for x in chosen):
             p.error(f"--stacks: {chosen}: expected indices in 0..{len(stacks) - 1} "
                     f"({', '.join(f'{i}: layers {st.layers[0]} x {st.groups}' for i, st in enumerate(stacks))})")
-        only_stacks({stacks[x].first for x in chosen})
+        only_stacks([stacks[x] for x in chosen])
     stub(parts)
     mesh = sh.make_mesh({"expert": len(devices)}, devices=devices)
     fn, inputs = cr.step_program(cfg, mesh, "serve", weights=args.weights, batch=batch, seq=args.seq,

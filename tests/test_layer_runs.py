@@ -1,6 +1,7 @@
 """Runs of identical layers inside a scanned group (`plan.Stack.runs`): V4.1-Flash's `[full, reuse×5]` and
 `[reindex, reuse×3]` groups keep their Reuse layers in one parameter slot [G, R, ...], run as an inner
-`lax.scan`, and its Engram layers (1, 14) join the scans, so 7 of its 40 layers are traced. Checked on a cut-down tiny model with two
+`lax.scan`, its Engram layers (1, 14) join the scans and its Reuse layers 21-23 join the decoder's scan
+as a group led by Full layer 20 (`plan.Stack.lead`), so 6 of its 40 layers are traced. Checked on a cut-down tiny model with two
 `[full, reuse, reuse]` groups (`quant: none`): the cached steps equal the teacher-forced forward, the
 per-layer view of the parameters round-trips, and the MoE bias update reaches every layer of a run.
 V4 compat's runs are checked against transformers in test_v4_oracle (case `runs`)."""
@@ -31,8 +32,12 @@ def test_the_v41_flash_reuse_layers_share_one_slot_per_group():
     cfg = dsv41.load_config("v41_flash")
     plan = dsv41.layer_plan(cfg)
     stacks = dsv41.plan.layer_stacks(cfg)
-    assert [(st.groups, st.runs) for st in stacks] == [(2, (1,)), (3, (1, 5)), (1, (1,)), (3, (1,)), (4, (1, 3))]
-    assert sum(st.slots for st in stacks) == 7
+    assert [(st.groups, st.runs, st.lead) for st in stacks] == [
+        (2, (1,), False), (3, (1, 5), False), (1, (1,), False), (5, (1, 3), True)]
+    # Layers 21-23 are the decoder scan's group 0, which has no Reindex layer: Full layer 20 leads it.
+    assert stacks[3].layers[0] == (20, 21, 22, 23) and stacks[3].grid(0) == (24, 28, 32, 36)
+    assert dsv41.plan.layer_slot(cfg, 20)[0] == 2 and dsv41.plan.layer_slot(cfg, 22) == (3, 0, 1, 1)
+    assert sum(st.slots for st in stacks) == 6
     assert all(stacks[dsv41.plan.layer_slot(cfg, i)[0]].groups > 1 for i in (1, 14))  # Engram layers scanned
     for st in stacks:
         for j in range(st.slots):

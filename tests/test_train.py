@@ -248,8 +248,9 @@ def per_layer_tree(tree, cfg) -> dict:
         if "stacks" in keys:
             at = keys.index("stacks")
             s, j = int(keys[at + 1]), int(keys[at + 3])
+            groups = stacks[s].layers[1:] if stacks[s].lead and j == 0 else stacks[s].layers  # no group 0
             pieces = [(keys[:at] + ["layers", str(group[j])] + keys[at + 4:], leaf[g])
-                      for g, group in enumerate(stacks[s].layers)]
+                      for g, group in enumerate(groups)]
         elif "engram" in keys:
             at = keys.index("engram")
             pieces = [(keys[:at] + ["layers", str(engram[int(keys[at + 1])]), "engram"] + keys[at + 2:], leaf)]
@@ -300,6 +301,48 @@ def test_engram_tables_restore_from_per_layer_paths(tmp_path):
     np.testing.assert_array_equal(per[("layers", 4, "engram", "table")], np.asarray(params["engram"][1]["table"][...]))
     back = stacking.from_per_layer(per, model_lib.abstract_params(cfg), cfg)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def stacked_before_leads(per: dict, grids: dict) -> dict:
+    """A per-layer tree (`per_layer_tree`) stacked as dsv41 stacked it before `plan.Stack.lead`: every node
+    `layers` replaced by `stacks/{s}/slots/{j}/…`, each leaf the slot's layers' leaves stacked in `grids`'
+    order ({(s, j): layer numbers, one layer a group})."""
+    def stack(trees):
+        if isinstance(trees[0], dict):
+            return {k: stack([t[k] for t in trees]) for k in trees[0]}
+        return np.stack(trees)
+
+    out = {}
+    for key, node in per.items():
+        if key != "layers":
+            out[key] = stacked_before_leads(node, grids) if isinstance(node, dict) else node
+            continue
+        stacks: dict = {}
+        for (s, j), layers in grids.items():
+            stacks.setdefault(str(s), {"slots": {}})["slots"][str(j)] = stack([node[str(i)] for i in layers])
+        out["stacks"] = stacks
+    return out
+
+
+def test_a_checkpoint_stacked_before_the_decoder_lead_resumes(tmp_path):
+    """tiny's decoder (Full 6, Reuse 7, [Reindex, Reuse] × 2) was stacked as layer 6, layer 7 and the
+    groups (8, 9), (10, 11) until Reuse 7 joined the scan as a group led by layer 6 (`plan.Stack.lead`).
+    Parameters saved in that layout restore into today's, every leaf equal, and only with the config."""
+    cfg = dsv41.load_config("tiny")
+    old = {(0, 0): (0, 1), (1, 0): (2, 4), (1, 1): (3, 5), (2, 0): (6,), (3, 0): (7,), (4, 0): (8, 10), (4, 1): (9, 11)}
+    assert {(s, j): tuple(np.ravel(st.grid(j)).tolist()) for s, st in
+            enumerate(dsv41.plan.layer_stacks(cfg, leads=False)) for j in range(st.slots)} == old
+    assert dsv41.plan.layer_stacks(cfg)[3].layers == ((6, 7), (8, 9), (10, 11))
+    params = model_lib.init_params(cfg, jax.random.key(6))
+    with Checkpointer(tmp_path / "old", every=1, keep=1) as ck:
+        ck.save(1, stacked_before_leads(per_layer_tree(params, cfg), old), {}, force=True)
+    with Checkpointer(tmp_path / "old") as ck:
+        restored, _ = ck.restore(model_lib.abstract_params(cfg), cfg=cfg)
+        with pytest.raises(ValueError):
+            ck.restore(model_lib.abstract_params(cfg))
+    assert jax.tree.structure(restored) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(restored)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

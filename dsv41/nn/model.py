@@ -57,12 +57,12 @@ class LayerStack(nnx.Module):
             return make
 
         def slot(j):
-            rec = plan[spec.slot_layers(0, j)[0]]
+            rec = plan[spec.slot_layers(spec.template, j)[0]]
 
             def block(rngs):
                 return Block(cfg, rec, tables, rec.index in pools, policy=policy, rngs=rngs)
 
-            return stacked(spec.groups, block if spec.runs[j] == 1 else stacked(spec.runs[j], block))(rngs)
+            return stacked(spec.rows(j), block if spec.runs[j] == 1 else stacked(spec.runs[j], block))(rngs)
 
         self.slots = nnx.List([slot(j) for j in range(spec.slots)])
 
@@ -70,19 +70,22 @@ class LayerStack(nnx.Module):
         """Runs `layer_fn(block, at: LayerAt, carry, published) -> (carry, published)` for every layer of the
         stack in order: the groups as one `lax.scan` (unrolled for a one-group stack), inside a group each
         slot's run of layers as an inner `lax.scan` (a single layer as it is). `published` holds what
-        earlier layers hand on (entries, picks, pools, keyed by the layer numbers of group 0's records); a
-        one-group stack returns it with its own additions, a scanned stack as it came (nothing outside a
-        scanned stack reads it, `plan.layer_stacks`), and a run adds nothing (its layers feed no layer).
+        earlier layers hand on (entries, picks, pools, keyed by the layer numbers of the template group's
+        records); a one-group stack returns it with its own additions, a scanned stack as it came (nothing
+        outside a scanned stack reads it, `plan.layer_stacks`), and a run adds nothing (its layers feed no
+        layer). A stack with a lead (`plan.Stack.lead`) runs slot 0 under a `lax.cond` on the group
+        (`_lead_slot`): group 0 hands on the lead's picks instead.
         remat: None, or a `jax.checkpoint` policy (`"all"`: save nothing) each group is rematerialised with.
         Returns (carry, published, records): records {layer: {name: array}} of what each layer sowed (when
         `record`)."""
         spec = self.spec
         split = [nnx.split(slot) for slot in self.slots]
         defs = [d for d, _ in split]
-        # A single layer's slot [G, ...] is scanned over (xs); a run's [G, R, ...] is indexed at (g, r) inside
-        # the inner loop instead, so that no [R, ...] slice of the group is materialised to feed it.
-        singles = [st if spec.runs[j] == 1 else None for j, (_, st) in enumerate(split)]
-        whole = [None if spec.runs[j] == 1 else st for j, (_, st) in enumerate(split)]
+        # A single layer's slot [G, ...] is scanned over (xs); a run's [G, R, ...] (and a slot that lacks group 0)
+        # is indexed inside the loop instead, so that no [R, ...] slice of the group is materialised to feed it.
+        scanned = [spec.runs[j] == 1 and spec.rows(j) == spec.groups for j in range(spec.slots)]
+        singles = [st if scanned[j] else None for j, (_, st) in enumerate(split)]
+        whole = [None if scanned[j] else st for j, (_, st) in enumerate(split)]
 
         slot_layers = [tuple(int(i) for i in np.ravel(spec.grid(j))) for j in range(spec.slots)]
         # The named scope of a slot's traced layer: the layers it runs and their kind.
@@ -97,10 +100,19 @@ class LayerStack(nnx.Module):
                                                       nnx.Intermediate)(block)
             return carry, published, _plain(rec) if record else None
 
+        def at_row(j, g, r=None):
+            row = spec.row(g, j)
+            return nnx.merge(defs[j], jax.tree.map(lambda v: v[row] if r is None else v[row, r], whole[j]))
+
         def body(state_g, g, carry, published):
             published = dict(published)
             recs = []
             for j in range(spec.slots):
+                if spec.lead and j == 0:
+                    carry, published, rec = self._lead_slot(lambda c, p: one(at_row(0, g), g, 0, 0, c, p),
+                                                            g, carry, published)
+                    recs.append([rec])
+                    continue
                 if spec.runs[j] == 1:
                     carry, published, rec = one(nnx.merge(defs[j], state_g[j]), g, j, 0, carry, published)
                     recs.append([rec])
@@ -108,15 +120,13 @@ class LayerStack(nnx.Module):
                 if self.unroll:
                     out = []
                     for r in range(spec.runs[j]):
-                        block = nnx.merge(defs[j], jax.tree.map(lambda v: v[g, r], whole[j]))
-                        carry, published, rec = one(block, g, j, r, carry, published)
+                        carry, published, rec = one(at_row(j, g, r), g, j, r, carry, published)
                         out.append(rec)
                     recs.append(out)
                     continue
 
                 def inner(carry, r, j=j, published=published):
-                    block = nnx.merge(defs[j], jax.tree.map(lambda v: v[g, r], whole[j]))
-                    carry, _, rec = one(block, g, j, r, carry, published)
+                    carry, _, rec = one(at_row(j, g, r), g, j, r, carry, published)
                     return carry, rec
 
                 if remat is not None:  # each layer of a run on its own too: a group's backward holds one layer's
@@ -130,7 +140,8 @@ class LayerStack(nnx.Module):
         by_group = []
         if spec.groups == 1 or self.unroll:
             for g in range(spec.groups):  # later groups see the published values of earlier ones
-                carry, out, rec = body(jax.tree.map(lambda v: v[g], singles), g, carry, published)
+                carry, out, rec = body([None if v is None else jax.tree.map(lambda a: a[g], v) for v in singles],
+                                       g, carry, published)
                 published = out if spec.groups == 1 else published
                 by_group.append(rec)
         else:
@@ -150,10 +161,55 @@ class LayerStack(nnx.Module):
                     records[layer] = rec[r] if isinstance(rec, list) else jax.tree.map(lambda v: v[r], rec)
         return carry, published, records
 
+    def _lead_slot(self, run_layer, g, carry, published: dict):
+        """Slot 0 of a stack with a lead, group g: `run_layer(carry, published) -> (carry, published, rec)` for
+        g > 0; group 0 has no layer there and hands on the lead's hand-off (`published[spec.first]`, its
+        picks) under the slot's key. A traced g runs the layer under a `lax.cond` that returns only what the
+        layer changed (the carry's leaves it wrote, the hand-off's fields the lead does not already hold):
+        a store that passed through a branch would be copied (docs/compile_time.md). Which those are is found
+        by tracing the layer once to shapes first."""
+        key, lead = self.slots[0].attn.record.index, published[self.spec.first]
+        if isinstance(g, int):
+            if g == 0:
+                return carry, {**published, key: lead}, None
+            return run_layer(carry, published)
+        leaves, treedef = jax.tree.flatten(carry)
+        fields = [f.name for f in dataclasses.fields(lead)]
+        found = {}
+
+        def layer_changes():
+            new_carry, new_published, rec = run_layer(carry, published)
+            new_leaves = jax.tree.leaves(new_carry)
+            handoff = new_published[key]
+            found["carry"] = [a is not b for a, b in zip(new_leaves, leaves)]
+            found["handoff"] = [getattr(handoff, f) is not None and getattr(handoff, f) is not getattr(lead, f)
+                                for f in fields]
+            return ([a for a, c in zip(new_leaves, found["carry"]) if c],
+                    [getattr(handoff, f) for f, c in zip(fields, found["handoff"]) if c], rec)
+
+        shapes = jax.eval_shape(layer_changes)
+        passed = [getattr(lead, f) for f, c in zip(fields, found["handoff"]) if c]
+        if any(p is None or p.shape != s.shape or p.dtype != s.dtype for p, s in zip(passed, shapes[1])):
+            raise ValueError(f"layer {key}: its hand-off {[f for f, c in zip(fields, found['handoff']) if c]} "
+                             f"{[(s.shape, s.dtype) for s in shapes[1]]}: expected the lead layer {self.spec.first}'s "
+                             f"of the same shapes, {[None if p is None else (p.shape, p.dtype) for p in passed]}")
+
+        def lead_only():
+            return ([a for a, c in zip(leaves, found["carry"]) if c], passed,
+                    jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[2]))
+
+        changed, handed, rec = jax.lax.cond(g > 0, layer_changes, lead_only)
+        it = iter(changed)
+        carry = jax.tree.unflatten(treedef, [next(it) if c else a for a, c in zip(leaves, found["carry"])])
+        it = iter(handed)
+        handoff = dataclasses.replace(lead, **{f: next(it) for f, c in zip(fields, found["handoff"]) if c})
+        return carry, {**published, key: handoff}, rec
+
     def block(self, g: int, j: int, r: int = 0) -> Block:
         """The Block of group g, slot j, run position r, as a module of its own (its parameters sliced out)."""
         graphdef, state = nnx.split(self.slots[j])
-        at = (g,) if self.spec.runs[j] == 1 else (g, r)
+        row = self.spec.row(g, j)
+        at = (row,) if self.spec.runs[j] == 1 else (row, r)
         return nnx.merge(graphdef, jax.tree.map(lambda v: v[at], state))
 
 
