@@ -3,7 +3,9 @@
 `lax.scan`, its Engram layers (1, 14) join the scans and its Reuse layers 21-23 join the decoder's scan
 as a group led by Full layer 20 (`plan.Stack.lead`), so 6 of its 40 layers are traced. Checked on a cut-down tiny model with two
 `[full, reuse, reuse]` groups (`quant: none`): the cached steps equal the teacher-forced forward, the
-per-layer view of the parameters round-trips, and the MoE bias update reaches every layer of a run.
+per-layer view of the parameters round-trips, and the MoE bias update reaches every layer of a run; its decoder
+(`[full, reuse]`, then `[reindex, reuse]` × 2) runs its first Reuse layer as a led group 0, so the gradients
+also go through that `lax.cond`.
 V4 compat's runs are checked against transformers in test_v4_oracle (case `runs`)."""
 
 import jax
@@ -23,7 +25,8 @@ TOL = 1e-5  # the cached and the teacher-forced paths differ in summation order 
 def runs_config():
     d = dsv41.load_config("tiny", ["quant=none"]).to_dict()
     d["csa2"]["encoder"].update(layers=8, groups=[{"size": 3, "modes": ["full", "reuse", "reuse"]}] * 2)
-    d["csa2"]["decoder"].update(layers=2, groups=[{"size": 1, "modes": ["full"]}, {"size": 1, "modes": ["reindex"]}])
+    d["csa2"]["decoder"].update(layers=6, groups=[{"size": 2, "modes": ["full", "reuse"]}]
+                                + [{"size": 2, "modes": ["reindex", "reuse"]}] * 2)
     d["architecture"]["mhc"]["sinkhorn_iters"] = 3
     return config_lib.build(d)
 
@@ -54,7 +57,9 @@ def test_the_v41_flash_reuse_layers_share_one_slot_per_group():
 def model():
     cfg = runs_config()
     stacks = dsv41.plan.layer_stacks(cfg)
-    assert [(st.groups, st.runs) for st in stacks] == [(2, (1,)), (2, (1, 2)), (1, (1,)), (1, (1,))]
+    # The decoder's Reuse layer 9 is the group 0 of the Reindex scan, led by Full layer 8 (`plan.Stack.lead`).
+    assert [(st.groups, st.runs, st.lead) for st in stacks] == [
+        (2, (1,), False), (2, (1, 2), False), (1, (1,), False), (3, (1, 1), True)]
     params = dsv41.init_params(cfg, jax.random.key(0))
     return cfg, params
 
@@ -69,6 +74,11 @@ def test_run_parameters_are_stacked_per_layer_and_round_trip(model):
         for r in range(2):
             np.testing.assert_array_equal(per[("layers", 2 + 3 * g + 1 + r, "attn", "wq_a", "w")], leaf[g, r])
     assert len({per[("layers", i, "attn", "wq_a", "w")].tobytes() for i in (3, 4, 6, 7)}) == 4
+    # The led stack: slot 0 holds the Reindex layers 10, 12 (no group 0), slot 1 the Reuse layers 9, 11, 13.
+    reindex, reuse = (params["stacks"][3]["slots"][j]["attn"]["wq_a"]["w"] for j in (0, 1))
+    assert reindex.shape[0] == 2 and reuse.shape[0] == 3
+    for i, leaf_i in ((10, reindex[0]), (12, reindex[1]), (9, reuse[0]), (11, reuse[1]), (13, reuse[2])):
+        np.testing.assert_array_equal(per[("layers", i, "attn", "wq_a", "w")], leaf_i)
     back = stacking.from_per_layer(per, params, cfg)
     for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
