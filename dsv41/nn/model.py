@@ -189,10 +189,11 @@ class LayerStack(nnx.Module):
 
         shapes = jax.eval_shape(layer_changes)
         passed = [getattr(lead, f) for f, c in zip(fields, found["handoff"]) if c]
-        if any(p is None or p.shape != s.shape or p.dtype != s.dtype for p, s in zip(passed, shapes[1])):
+        like = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)
+        if jax.tree.structure(passed) != jax.tree.structure(shapes[1]) or like(passed) != like(shapes[1]):
             raise ValueError(f"layer {key}: its hand-off {[f for f, c in zip(fields, found['handoff']) if c]} "
-                             f"{[(s.shape, s.dtype) for s in shapes[1]]}: expected the lead layer {self.spec.first}'s "
-                             f"of the same shapes, {[None if p is None else (p.shape, p.dtype) for p in passed]}")
+                             f"{like(shapes[1])}: expected the lead layer {self.spec.first}'s of the same shapes, "
+                             f"{like(passed)}")
 
         def lead_only():
             return ([a for a, c in zip(leaves, found["carry"]) if c], passed,
