@@ -88,10 +88,12 @@ class Checkpointer:
             state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
         if stacking.is_per_layer(raw["state"]):
             old = raw["state"]
-        else:  # stacked before `plan.Stack.lead` (V4.1-Flash's Reuse layers 21-23 a stack of their own)
+        elif layer_stacks(cfg, leads=False) != layer_stacks(cfg):  # stacked before `plan.Stack.lead`
             old = stacking.unstacked(raw["state"], cfg, layer_stacks(cfg, leads=False))
-            if old is None or layer_stacks(cfg, leads=False) == layer_stacks(cfg):
+            if old is None:
                 return None
+        else:
+            return None
         state = stacking.restack(old, abstract_state, cfg)
         state = jax.tree.map(lambda x, a: jax.device_put(np.asarray(x, a.dtype), a.sharding), state, abstract_state)
         return state, raw["data"]

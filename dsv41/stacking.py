@@ -105,6 +105,20 @@ def is_per_layer(tree) -> bool:
                for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
 
 
+def _per_layer_keys(keys: tuple, grids: dict, engram: tuple) -> tuple:
+    """(grid, names) of a stacked tree's key path: the per-layer key paths its leaf holds, in the order of
+    `grid` (the layer numbers [G] or [G, R] of a stacked leaf; None for a leaf of one layer or of none).
+    KeyError: a stack slot `grids` does not have."""
+    if "stacks" in keys:
+        at = keys.index("stacks")
+        grid = grids[(int(keys[at + 1]), int(keys[at + 3]))]
+        return grid, [(*keys[:at], LAYERS, str(layer), *keys[at + 4:]) for layer in grid.flat]
+    if ENGRAM in keys and engram:
+        at = keys.index(ENGRAM)
+        return None, [(*keys[:at], LAYERS, str(engram[int(keys[at + 1])]), ENGRAM, *keys[at + 2:])]
+    return None, [keys]
+
+
 def unstacked(tree, cfg, stacks) -> dict | None:
     """{per-layer key names: leaf} of a saved tree stacked in the layout `stacks` (`plan.layer_stacks(cfg,
     leads=False)`: how dsv41 stacked layers before `plan.Stack.lead`), None when a stacked leaf's leading
@@ -112,21 +126,17 @@ def unstacked(tree, cfg, stacks) -> dict | None:
     grids, engram = _grids(stacks), engram_layers(cfg)
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        keys = _key_names(path)
-        if ENGRAM in keys and "stacks" not in keys and engram:
-            at = keys.index(ENGRAM)
-            out[(*keys[:at], LAYERS, str(engram[int(keys[at + 1])]), ENGRAM, *keys[at + 2:])] = leaf
+        try:
+            grid, names = _per_layer_keys(_key_names(path), grids, engram)
+        except KeyError:
+            return None
+        if grid is None:
+            out[names[0]] = leaf
             continue
-        if "stacks" not in keys:
-            out[keys] = leaf
-            continue
-        at = keys.index("stacks")
-        grid = grids.get((int(keys[at + 1]), int(keys[at + 3])))
-        if grid is None or tuple(np.shape(leaf)[:grid.ndim]) != grid.shape:
+        if tuple(np.shape(leaf)[:grid.ndim]) != grid.shape:
             return None
         leaf = np.asarray(leaf)
-        for index in np.ndindex(*grid.shape):
-            out[(*keys[:at], LAYERS, str(grid[index]), *keys[at + 4:])] = leaf[index]
+        out.update(zip(names, (leaf[index] for index in np.ndindex(*grid.shape))))
     return out
 
 
@@ -141,17 +151,7 @@ def restack(old_tree, abstract_tree, cfg):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract_tree)
     out = []
     for path, like in leaves:
-        keys = _key_names(path)
-        grid = None
-        if "stacks" in keys:
-            at = keys.index("stacks")
-            grid = grids[(int(keys[at + 1]), int(keys[at + 3]))]
-            names = [(*keys[:at], LAYERS, str(layer), *keys[at + 4:]) for layer in grid.flat]
-        elif ENGRAM in keys and engram:
-            at = keys.index(ENGRAM)
-            names = [(*keys[:at], LAYERS, str(engram[int(keys[at + 1])]), ENGRAM, *keys[at + 2:])]
-        else:
-            names = [keys]
+        grid, names = _per_layer_keys(_key_names(path), grids, engram)
         missing = [".".join(n) for n in names if n not in old]
         if missing:
             raise ValueError(f"checkpoint: no {missing[0]}: expected the per-layer tree of this config")

@@ -140,8 +140,7 @@ class LayerStack(nnx.Module):
         by_group = []
         if spec.groups == 1 or self.unroll:
             for g in range(spec.groups):  # later groups see the published values of earlier ones
-                carry, out, rec = body([None if v is None else jax.tree.map(lambda a: a[g], v) for v in singles],
-                                       g, carry, published)
+                carry, out, rec = body(jax.tree.map(lambda v: v[g], singles), g, carry, published)
                 published = out if spec.groups == 1 else published
                 by_group.append(rec)
         else:
