@@ -25,8 +25,11 @@ def pytest_configure(config):
     compile many of the same programs (tiny's prefill and decode steps at the same shapes), and the
     in-memory cache is cleared after each module (below). A program loaded from it is the one XLA
     compiled for the same HLO, flags and devices. Under pytest-xdist (`-n 2`, as CI runs) the controller
-    makes the directory and its workers share it. `DSV41_TEST_COMPILE_CACHE=off` turns it off."""
+    makes the directory and its workers share it, and the `dsv41` commands the tests start in subprocesses
+    use it too (`$DSV41_COMPILE_CACHE`), so that they neither write to the user's own cache nor compile
+    again what the session compiled. `DSV41_TEST_COMPILE_CACHE=off` turns it off, for those commands too."""
     if os.environ.get("DSV41_TEST_COMPILE_CACHE", "").lower() == "off":
+        os.environ["DSV41_COMPILE_CACHE"] = "off"
         return
     import tempfile
 
@@ -41,6 +44,7 @@ def pytest_configure(config):
         os.environ[_SHARED_DIR] = shared
         _COMPILE_CACHE["owner"] = True
     _COMPILE_CACHE["dir"] = compile_cache.enable(shared)
+    os.environ["DSV41_COMPILE_CACHE"] = shared
 
     def count(event, **_):
         if event == "/jax/compilation_cache/cache_hits":
@@ -101,6 +105,19 @@ def _drop_compiled_programs():
     yield
     import jax
     jax.clear_caches()
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_session_compile_cache():
+    """A test that runs a command in-process (`cli.main([...])`) may turn JAX's persistent cache off
+    (`--no-compile-cache`) or point it elsewhere: the next test gets the session's back."""
+    yield
+    import jax
+
+    if _COMPILE_CACHE["dir"] is not None and (not jax.config.jax_enable_compilation_cache or
+                                              jax.config.jax_compilation_cache_dir != str(_COMPILE_CACHE["dir"])):
+        from dsv41 import compile_cache
+        compile_cache.enable(_COMPILE_CACHE["dir"])
 
 
 @pytest.fixture

@@ -72,7 +72,7 @@ def test_generate_says_what_the_prefix_cache_restored_replayed_recomputed_and_re
     from dsv41.cli import main
 
     args = ["generate", "--config", "passkey", "--prompt", "a" * 300, "--max-new-tokens", "2",
-            "--prefix-cache", str(tmp_path), "--no-compile-cache"]
+            "--prefix-cache", str(tmp_path)]
 
     def summary():
         assert main(args) == 0
@@ -128,8 +128,7 @@ def test_generate_with_the_shipped_weights_through_a_pipe():
     prompt, key = demo.prompt_tokens(1100, depth=0.5, seed=1)
     weights = passkey.weights_path()
     text = bytes(prompt.tolist()).decode("ascii")
-    out = run("generate", "--config", "passkey", "--weights", str(weights), "--prompt", text, "--max-new-tokens", "5",
-              "--no-compile-cache")
+    out = run("generate", "--config", "passkey", "--weights", str(weights), "--prompt", text, "--max-new-tokens", "5")
     assert out.returncode == 0, out.stderr[-3000:]
     cfg = dsv41.load_config("passkey")
     ids = generate.generate(load_params(weights, cfg), cfg, prompt.tolist(), max_new_tokens=5, vocab_limit=256)
