@@ -181,7 +181,21 @@ def init_state(cfg, tc: TrainConfig, key: jax.Array, variables: nnx.State | None
     """A fresh TrainState at step 0 with zero optimiser moments (for the `trainable` parameters), from
     `variables` (e.g. `load_params`, for continued training) or else `init_params(cfg, key)`."""
     params, buffers = split_variables(model_lib.init_params(cfg, key) if variables is None else variables)
-    return TrainState(params, optimizer(tc).init(trainable(tc, params)[0]), jnp.zeros((), jnp.int32), buffers)
+    return _committed(TrainState(params, optimizer(tc).init(trainable(tc, params)[0]), jnp.zeros((), jnp.int32),
+                                 buffers))
+
+
+def _committed(tree):
+    """`tree` with each uncommitted array committed to the device it is on. A state restored from a checkpoint
+    is committed (`Checkpointer.restore`), and jit lowers committed and uncommitted arguments to different
+    programs: with a fresh state left uncommitted, a resumed run compiled its train step again instead of
+    loading the first run's from the persistent compile cache."""
+    def commit(x):
+        if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or x.committed:
+            return x
+        return jax.device_put(x, x.sharding)
+
+    return jax.tree.map(commit, tree)
 
 
 def abstract_state(cfg, tc: TrainConfig) -> TrainState:

@@ -5,6 +5,7 @@ Reindex layer choosing inside its candidate pool). Compiling its train step take
 shared CPU, so the tests that train are marked slow; one compiled step serves all of them.
 """
 
+import logging
 import math
 import os
 import shutil
@@ -194,9 +195,11 @@ def test_init_state_starts_from_given_variables(cfg):
 
 
 @pytest.mark.slow
-def test_loss_decreases_and_resume_is_exact(cfg, tmp_path):
+def test_loss_decreases_and_resume_is_exact(cfg, tmp_path, caplog):
     """Passkey, 30 steps: the response loss starts at the uniform ln 256 and falls by more than 2 nats
-    (the digits alone are worth ln 256 − ln 10 ≈ 3.2); 6 steps straight equal 3 + restart + 3."""
+    (the digits alone are worth ln 256 − ln 10 ≈ 3.2); 6 steps straight equal 3 + restart + 3, and the
+    restart runs the train step the fresh run compiled (JAX's compile log): a restored state lowers as a fresh
+    one does, so a resumed run loads its step from the persistent compile cache."""
     _, history = train.fit(cfg, TC, passkey(), 30)
     losses = [m["ce"] for m in history]
     assert losses[0] == pytest.approx(math.log(256), abs=0.3)
@@ -206,10 +209,13 @@ def test_loss_decreases_and_resume_is_exact(cfg, tmp_path):
     straight = history[:6]  # the same seed, data and step function
     with Checkpointer(tmp_path / "ckpt", every=3, keep=2) as ck:
         _, first = train.fit(cfg, TC, passkey(), 3, checkpointer=ck)
-    with Checkpointer(tmp_path / "ckpt", every=3, keep=2) as ck:  # a new process would do the same
+    with (Checkpointer(tmp_path / "ckpt", every=3, keep=2) as ck,  # a new process would do the same
+          jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax")):
         assert ck.latest_step() == 3
         state, second = train.fit(cfg, TC, passkey(), 6, checkpointer=ck)
         assert ck.all_steps() == [3, 6]
+    compiled = [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
+    assert not [m for m in compiled if "train_step" in m], compiled
     assert [m["loss"] for m in first + second] == [m["loss"] for m in straight]
     assert int(state.step) == 6
     # the optimiser state's structure follows which parameters train: a resume with others is refused by name
