@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41 import steps
+from dsv41 import steps, xla_options
 from dsv41.cache import host_view, init_cache, put_rows, round_capacity, take_rows, with_mirror
 from dsv41.errors import ConfigError
 from dsv41.generate import Sampling, sample_rows
@@ -627,7 +627,7 @@ def _key_data(seed: int) -> np.ndarray:
     return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 0)))
 
 
-@jax.jit
+@xla_options.jit
 def _sample(logits_PV, key_data, temperature, top_k, top_p, vocab_limit, step_P):
     p = logits_PV.shape[0]
     rows = Sampling(jax.random.wrap_key_data(key_data), temperature, top_k, top_p,
@@ -635,12 +635,12 @@ def _sample(logits_PV, key_data, temperature, top_k, top_p, vocab_limit, step_P)
     return sample_rows(logits_PV, rows, step_P)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
+@functools.partial(xla_options.jit, donate_argnums=0)
 def _put_row(cache, rows, part):
     return put_rows(cache, rows, part)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
+@functools.partial(xla_options.jit, static_argnums=(0, 1), donate_argnums=3)
 def _prefill_rows(key: str, treedef, leaves, cache, rows_P, tokens_PS, counts_P, engram_ids):
     """The prefill step on rows `rows_P` of the cache only: (logits [P, V], cache with those rows advanced)."""
     part = take_rows(cache, rows_P)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dsv41 import engram_hash, sharding
+from dsv41 import engram_hash, sharding, xla_options
 from dsv41 import model as model_lib
 from dsv41.cache import host_view, init_cache
 from dsv41.errors import ConfigError
@@ -184,7 +184,7 @@ class Sampling:
                    per_row(vocab_limit, np.int32), per_row(max_new_tokens, np.int32), jnp.asarray(stop))
 
 
-@jax.jit
+@xla_options.jit
 def sample_rows(logits_BV, rows: Sampling, step_B):
     """Token ids [B]: row b greedy (the lowest id of the largest logit) where its temperature is 0, else
     drawn with key fold_in(rows.keys[b], step_B[b]) from softmax(logits / temperature) kept to the top_k
@@ -244,7 +244,7 @@ def _device_loop(params, cfg, cache, logits_BV, rows: Sampling, block: int, on_t
             return outputs
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+@functools.partial(xla_options.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
 def _sample_block(key: str, lowering, block: int, params, cache, logits_BV, rows: Sampling, generated_B, done_B,
                   token_map_V=None):
     """Up to `block` decode steps in one `lax.while_loop`: each samples every row's next id, records it

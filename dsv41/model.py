@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from dsv41 import config as config_lib
-from dsv41 import engram_hash
+from dsv41 import engram_hash, xla_options
 from dsv41.errors import ConfigError
 from dsv41.nn import policy as policy_lib
 from dsv41.nn.model import Transformer
@@ -133,4 +133,4 @@ def forward_body(key: str, lowering, params, tokens_BS, positions_BS, engram_ids
     return model(tokens_BS, positions_BS, engram_ids_BSLC, record=intermediates)
 
 
-_forward = jax.jit(forward_body, static_argnums=(0, 1, 6))
+_forward = xla_options.jit(forward_body, static_argnums=(0, 1, 6))

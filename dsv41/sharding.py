@@ -37,6 +37,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from dsv41 import model as model_lib
 from dsv41 import steps as steps_lib
+from dsv41 import xla_options
 from dsv41.cache import Cache, CompressedKV, abstract_cache, host_view, with_mirror
 from dsv41.errors import ConfigError
 from dsv41.nn import moe as moe_lib
@@ -404,8 +405,9 @@ def _jitted(kind: str, key: str, mesh: Mesh, rules_items: tuple, shapes: tuple):
     cfg, rules = model_lib.config_from_key(key), dict(rules_items)
     ps = param_shardings(cfg, mesh, rules)
     rep = NamedSharding(mesh, P())
+    options = xla_options.compiler_options(mesh.devices.flat[0].platform)
     if kind == "init":
-        return jax.jit(lambda k: model_lib.init_params(cfg, k), out_shardings=ps)
+        return jax.jit(lambda k: model_lib.init_params(cfg, k), out_shardings=ps, compiler_options=options)
     tokens_shape, ids_shape = shapes[0], shapes[1]
     if kind in ("forward", "grad"):
         tok = sequence_sharding(mesh, rules, tokens_shape, "tokens")
@@ -416,12 +418,13 @@ def _jitted(kind: str, key: str, mesh: Mesh, rules_items: tuple, shapes: tuple):
                                                   what="logits"))
         if kind == "forward":
             return jax.jit(lambda p, t, pos, i: body(p, t, pos, i, False),
-                           in_shardings=(ps, tok, tok, ids), out_shardings=logits)
+                           in_shardings=(ps, tok, tok, ids), out_shardings=logits, compiler_options=options)
 
         def loss(p, t, pos, i):
             return next_token_loss(body(p, t, pos, i, False), t)
 
-        return jax.jit(jax.value_and_grad(loss), in_shardings=(ps, tok, tok, ids), out_shardings=(rep, ps))
+        return jax.jit(jax.value_and_grad(loss), in_shardings=(ps, tok, tok, ids), out_shardings=(rep, ps),
+                       compiler_options=options)
     return step_function(cfg, mesh, rules, tokens_shape=tokens_shape, ids_shape=ids_shape, max_len=shapes[2],
                          engram_host=kind == "step_engram_host")
 
@@ -452,7 +455,8 @@ def step_function(cfg, mesh: Mesh, rules="serve", *, tokens_shape, ids_shape=Non
             params, ids_BSLC = gather_engram_rows(params, ids_BSLC, table_specs, mesh)
         return step(params, cache, tokens_BS, counts_B, ids_BSLC)
 
-    return jax.jit(body, in_shardings=(ps, cs, tok, rows, ids), out_shardings=(logits, cs), donate_argnums=1)
+    return jax.jit(body, in_shardings=(ps, cs, tok, rows, ids), out_shardings=(logits, cs), donate_argnums=1,
+                   compiler_options=xla_options.compiler_options(mesh.devices.flat[0].platform))
 
 
 def gather_engram_rows(params, ids_BSLC, table_specs=None, mesh: Mesh | None = None):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41 import engram_hash, schema
+from dsv41 import engram_hash, schema, xla_options
 from dsv41 import selections as selections_lib
 from dsv41 import model as model_lib
 from dsv41.cache import Cache, CompressedKV, host_view, ring_slots, store_of, store_slots, with_mirror
@@ -318,20 +318,20 @@ def step_body(key: str, lowering, params, cache: Cache, tokens_BS, counts_B, eng
 
 # The jitted steps take the parameters as their leaves and (static) tree structure: a list of arrays is
 # flattened in C++, an nnx.State calls Python once per Variable (`Bound` flattens once).
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 8), donate_argnums=4)
+@functools.partial(xla_options.jit, static_argnums=(0, 1, 2, 8), donate_argnums=4)
 def _step(key, lowering, treedef, leaves, cache: Cache, tokens_BS, counts_B, engram_ids_BSLC, chosen: bool = False):
     """The jitted `step_body`; chosen (static): also return the selections it made."""
     return step_body(key, lowering, jax.tree.unflatten(treedef, leaves), cache, tokens_BS, counts_B, engram_ids_BSLC,
                      chosen=chosen)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 8), donate_argnums=4)
+@functools.partial(xla_options.jit, static_argnums=(0, 1, 2, 8), donate_argnums=4)
 def _ced(key, lowering, treedef, leaves, cache, tokens_BS, counts_B, engram_ids_BSLC, replay: int):
     return ced_body(key, lowering, jax.tree.unflatten(treedef, leaves), cache, tokens_BS, counts_B, engram_ids_BSLC,
                     replay)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 8), donate_argnums=4)
+@functools.partial(xla_options.jit, static_argnums=(0, 1, 2, 8), donate_argnums=4)
 def _replay(key, lowering, treedef, leaves, cache, tokens_BR, counts_B, engram_ids_BRLC, dec: int):
     return replay_body(key, lowering, jax.tree.unflatten(treedef, leaves), cache, tokens_BR, counts_B,
                        engram_ids_BRLC, dec)

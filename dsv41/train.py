@@ -41,7 +41,7 @@ import optax
 from flax import nnx
 
 from dsv41 import model as model_lib
-from dsv41 import schema, selections
+from dsv41 import schema, selections, xla_options
 from dsv41.errors import ConfigError
 from dsv41.nn import indexer as ix
 from dsv41.nn.attend import band_source, blocks_length, over_query_blocks, window_from, window_mask
@@ -536,10 +536,10 @@ def cpu_compiler_options(mesh=None) -> dict | None:
     XLA:CPU's concurrency-optimised scheduler (its default) starts every rematerialised layer group's
     recomputation at the head of the backward pass, where they all stay live: at 16K tokens of the
     passkey config the step's temporaries were 4.77 GB with it and 2.23 GB with the memory-optimised
-    scheduler (`compiled.memory_analysis()`, remat="block")."""
-    if (jax.default_backend() if mesh is None else mesh.devices.flat[0].platform) != "cpu":
-        return None
-    return {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+    scheduler (`compiled.memory_analysis()`, remat="block"). With the options every program has
+    (`xla_options.compiler_options`)."""
+    return xla_options.compiler_options(None if mesh is None else mesh.devices.flat[0].platform,
+                                        xla_cpu_scheduler_type="CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED")
 
 
 @functools.lru_cache(maxsize=8)
@@ -707,7 +707,7 @@ def train_step_for(cfg, tc: TrainConfig, mesh=None, rules="train"):
 # Evaluation and the training loop
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@functools.partial(xla_options.jit, static_argnums=0)
 def _score(key, params, buffers, inputs, targets, mask, engram_ids=None, forced=None, decoder_window_start=None):
     """Per row: (every response token is the argmax, Σ response-token CE, response tokens), of the forward the
     training loss runs (forced to a batch's selections, its decoder split where the batch says)."""

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41 import model as model_lib
+from dsv41 import xla_options
 
 
 def forward(cfg, variables, tokens, **kwargs):
@@ -19,6 +20,6 @@ def forward(cfg, variables, tokens, **kwargs):
     return _forward(model_lib.config_key(cfg), record, variables, tokens, positions, kwargs)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@functools.partial(xla_options.jit, static_argnums=(0, 1))
 def _forward(key, record, variables, tokens, positions, kwargs):
     return nnx.merge(model_lib.graphdef(key), variables)(tokens, positions, record=record, **kwargs)

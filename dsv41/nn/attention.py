@@ -141,19 +141,23 @@ class Attention(nnx.Module):
         if 0 < self.query_block < x_BSD.shape[1]:
             return self._blockwise(x_BSD, qr, q, kv, positions_BS, published, forced, window_start)
 
-        keys = kv
-        mask = window_mask(positions_BS, positions_BS, self.window) & window_from(positions_BS, window_start)[:, None]
-        mine = None
+        # The keys each query weighs as the cached step lays them out (`window_keys` over [W invalid | the
+        # sequence], then its picked entries gathered): a query's sums then run over the same keys in the same
+        # order whatever the sequence length, so a prefill of the first N tokens rounds as this forward does.
+        keys, key_pos, key_ok = band_source(kv, positions_BS, self.window, kv.shape[1], window_start)
+        keys_w, mask_w = window_keys(keys, key_pos, key_ok, positions_BS, self.window)
+        mine = sel = sel_ok = shared = None
         if rec.ratio:
             mine = self._publish(x_BSD, qr, positions_BS, published, forced)
             seen = {**published, rec.index: mine} if mine is not None else published
-            entries = seen[rec.kv_source].entries
-            keys = jnp.concatenate([kv, entries.astype(kv.dtype)], axis=1)
-            chosen = (seen[rec.index_source].selected if rec.selects  # top-k (CSA, CSA2)
-                      else ix.visible_entries(positions_BS, rec.ratio, entries.shape[1]))  # all (HCA)
-            mask = jnp.concatenate([mask, chosen], axis=-1)
+            entries = seen[rec.kv_source].entries.astype(kv.dtype)
+            if rec.selects:  # top-k (CSA, CSA2)
+                picks = seen[rec.index_source].picks
+                sel, sel_ok = jax.vmap(lambda e, i: e[i])(entries, jnp.maximum(picks, 0)), picks >= 0
+            else:  # all (HCA)
+                shared = (entries, ix.visible_entries(positions_BS, rec.ratio, entries.shape[1]))
 
-        out = attend_step(q, keys, mask, None, None, self.attn_sink[...], self.head_dim ** -0.5)
+        out = attend_step(q, keys_w, mask_w, sel, sel_ok, self.attn_sink[...], self.head_dim ** -0.5, shared)
         return self.output(out, positions_BS), mine
 
     def _entries(self, x_BSD, stored: bool = False):
@@ -241,15 +245,16 @@ class Attention(nnx.Module):
             span = q_b.shape[1] + window
             keys_b, kpos_b, kok_b = (jax.lax.dynamic_slice_in_dim(a, n * q_b.shape[1], span, axis=1)
                                      for a in (keys, key_pos, key_ok))
-            mask = kok_b[:, None, :] & window_mask(pos_b, kpos_b, window)
             if impl is not None:
+                mask = kok_b[:, None, :] & window_mask(pos_b, kpos_b, window)
                 return dispatch.sparse_attention_train(q_b, keys_b, mask, entries, entry_bytes, entry_scales, picks_b,
                                                        sink, scale, mode=impl, layout=self.policy.lowering.layout)
+            keys_w, mask_w = window_keys(keys_b, kpos_b, kok_b, pos_b, window)  # `__call__`'s bands, block by block
             if picks_b is not None:
                 sel = jax.vmap(lambda e, i: e[i])(entries, jnp.maximum(picks_b, 0))  # [B, Q, k, K]
-                return attend_step(q_b, keys_b, mask, sel, picks_b >= 0, sink, scale)
+                return attend_step(q_b, keys_w, mask_w, sel, picks_b >= 0, sink, scale)
             shared = None if entries is None else (entries, ix.visible_entries(pos_b, ratio, entries.shape[1]))
-            return attend_step(q_b, keys_b, mask, None, None, sink, scale, shared)
+            return attend_step(q_b, keys_w, mask_w, None, None, sink, scale, shared)
 
         out = over_query_blocks(attend, self.query_block, q_BSHK, positions_BS, picks, pads=(0, -1, -1), sequence=seq)
         return self.output(out, positions_BS), mine
