@@ -53,8 +53,15 @@ class jit:
     def jitted(self):
         return jax.jit(self._fun, compiler_options=compiler_options(), **self._kwargs)
 
+    @functools.cached_property
+    def nested(self):
+        # Inside another program (a traced argument) it is inlined there and compiles with that program's
+        # options: jax takes compiler_options on the outermost jit only.
+        return jax.jit(self._fun, **self._kwargs)
+
     def __call__(self, *args, **kwargs):
-        return self.jitted(*args, **kwargs)
+        traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs)))
+        return (self.nested if traced else self.jitted)(*args, **kwargs)
 
     def lower(self, *args, **kwargs):
         return self.jitted.lower(*args, **kwargs)

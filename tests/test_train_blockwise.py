@@ -104,7 +104,8 @@ def test_blockwise_loss_and_gradients_equal_every_query_at_once(kl_over, remat):
 @pytest.mark.slow
 def test_blockwise_step_memory_grows_linearly():
     """XLA's temporaries of the gradient at 4 S are at most 5 × those at S in blocks (linear), while every
-    query at once grows by at least 8 × (its S × S terms dominate: 8.8 × from 512 to 2,048 tokens)."""
+    query at once grows by at least 6 × (its indexer's S × T scores: 7.5 × from 512 to 2,048 tokens; 8.8 ×
+    before its attention weighed window bands and gathered picks instead of masks over all S keys)."""
     tc = train.TrainConfig()
 
     def temps(cfg, seq):
@@ -120,7 +121,7 @@ def test_blockwise_step_memory_grows_linearly():
 
     dense, blockwise = _configs("passkey", 128)
     assert temps(blockwise, 2048) <= 5 * temps(blockwise, 512)
-    assert temps(dense, 2048) >= 8 * temps(dense, 512)
+    assert temps(dense, 2048) >= 6 * temps(dense, 512)
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_v4"])
