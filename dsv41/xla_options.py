@@ -6,7 +6,8 @@ shared its program: `exp(x - max(x))` over the mHC mixing logits [4, 4, 1, S] di
 between S = 200 (XLA's emitter) and S = 300 (YNNPACK) on 57 of 3,200 elements, and under `quant: qat` one
 such bit that lands on an FP8 rounding boundary flips a stored value and moves later logits by 1e-4 to
 1e-2 (issue 53: a prefill of N tokens against the teacher-forced forward over 257). With YNNPACK fusions
-off every program rounds a row the same way whatever its token count (tests/test_batch_invariance.py).
+off an op rounds a row the same way whatever its token count (tests/test_batch_invariance.py); the model's
+sums over keys are the other half (`nn.attention.Attention._weigh`, docs/batch_invariance.md).
 
 Options are for the CPU only (None elsewhere) and only those this XLA knows: jax 0.11's may rename them.
 """

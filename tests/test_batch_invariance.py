@@ -1,8 +1,9 @@
 """A token rounds the same whatever the number of tokens in its program (`dsv41.xla_options`, issue 53).
 
 XLA:CPU's YNNPACK fusions, used above a size threshold, round `exp` and sums differently from XLA's own
-emitters; under `quant: qat` one such last bit on an FP8 boundary moved a prefill's logits by up to 2e-2
-from the teacher-forced forward's row. The ops are checked bit for bit across token counts, and the
+emitters, and the forward's attention summed each query's keys over all S keys of the sequence; under
+`quant: qat` one such last bit on an FP8/FP4 boundary moved a prefill's logits by up to 0.12 from the
+teacher-forced forward's row. The ops are checked bit for bit across token counts, and the
 model's prefill of a prefix against the forward over the whole sequence (the port's own prefix against
 one-shot difference is 3e-7, `tests/test_steps.py`'s TOL)."""
 

@@ -40,7 +40,7 @@ from dsv41.kernels import dispatch
 from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, packed, ring_positions
 from dsv41.nn import indexer as ix
 from dsv41.nn.attend import (NEG_INF, Handoff, attend_step, band_source, blocks_length, over_query_blocks,
-                             window_from, window_keys, window_mask)
+                             window_keys, window_mask)
 from dsv41.nn.compressor import Compressor
 from dsv41.nn.linear import Dense, param
 from dsv41.nn.norm import RMSNorm, rms_normalize
@@ -141,24 +141,29 @@ class Attention(nnx.Module):
         if 0 < self.query_block < x_BSD.shape[1]:
             return self._blockwise(x_BSD, qr, q, kv, positions_BS, published, forced, window_start)
 
-        # The keys each query weighs as the cached step lays them out (`window_keys` over [W invalid | the
-        # sequence], then its picked entries gathered): a query's sums then run over the same keys in the same
-        # order whatever the sequence length, so a prefill of the first N tokens rounds as this forward does.
-        keys, key_pos, key_ok = band_source(kv, positions_BS, self.window, kv.shape[1], window_start)
-        keys_w, mask_w = window_keys(keys, key_pos, key_ok, positions_BS, self.window)
-        mine = sel = sel_ok = shared = None
+        mine = entries = picks = None
         if rec.ratio:
             mine = self._publish(x_BSD, qr, positions_BS, published, forced)
             seen = {**published, rec.index: mine} if mine is not None else published
             entries = seen[rec.kv_source].entries.astype(kv.dtype)
-            if rec.selects:  # top-k (CSA, CSA2)
-                picks = seen[rec.index_source].picks
-                sel, sel_ok = jax.vmap(lambda e, i: e[i])(entries, jnp.maximum(picks, 0)), picks >= 0
-            else:  # all (HCA)
-                shared = (entries, ix.visible_entries(positions_BS, rec.ratio, entries.shape[1]))
+            picks = seen[rec.index_source].picks if rec.selects else None
+        band = band_source(kv, positions_BS, self.window, kv.shape[1], window_start)
+        return self.output(self._weigh(q, *band, positions_BS, entries, picks), positions_BS), mine
 
-        out = attend_step(q, keys_w, mask_w, sel, sel_ok, self.attn_sink[...], self.head_dim ** -0.5, shared)
-        return self.output(out, positions_BS), mine
+    def _weigh(self, q_BSHK, keys_BTK, key_pos_BT, key_ok_BT, positions_BS, entries_BTK=None, picks_BSk=None):
+        """The attention [B, S, H, K] of S queries over their window in [W keys before them | their own keys]
+        (`band_source`) and the entries: the picked ones gathered (picks [B, S, k]) or, without picks, every
+        visible one (HCA). The keys are laid out as the cached step lays them (`window_keys`: bands of 2W at
+        multiples of W), so a query's sums run over the same keys in the same order whatever the number of
+        queries beside it: a prefill of the first N tokens rounds as the forward over more does (issue 53)."""
+        keys_w, mask_w = window_keys(keys_BTK, key_pos_BT, key_ok_BT, positions_BS, self.window)
+        sink, scale = self.attn_sink[...], self.head_dim ** -0.5
+        if picks_BSk is not None:
+            sel = jax.vmap(lambda e, i: e[i])(entries_BTK, jnp.maximum(picks_BSk, 0))  # [B, S, k, K]
+            return attend_step(q_BSHK, keys_w, mask_w, sel, picks_BSk >= 0, sink, scale)
+        shared = None if entries_BTK is None else (
+            entries_BTK, ix.visible_entries(positions_BS, self.record.ratio, entries_BTK.shape[1]))
+        return attend_step(q_BSHK, keys_w, mask_w, None, None, sink, scale, shared)
 
     def _entries(self, x_BSD, stored: bool = False):
         """(entries [B, T, K], indexer keys [B, T, dI] or None, stored or None) a Full layer compresses from the
@@ -228,7 +233,7 @@ class Attention(nnx.Module):
             seen = {**published, rec.index: mine} if mine is not None else published
             entries = seen[rec.kv_source].entries.astype(kv_BSK.dtype)
             picks = seen[rec.index_source].picks if rec.selects else None
-        window, sink, scale, ratio = self.window, self.attn_sink[...], self.head_dim ** -0.5, rec.ratio
+        window, sink, scale = self.window, self.attn_sink[...], self.head_dim ** -0.5
         seq = self.policy.lowering.sequence  # sequence parallel: every lane reads the whole keys
         padded = blocks_length(x_BSD.shape[1], self.query_block, seq)
         keys, key_pos, key_ok = band_source(kv_BSK, positions_BS, window, padded, window_start)
@@ -249,12 +254,7 @@ class Attention(nnx.Module):
                 mask = kok_b[:, None, :] & window_mask(pos_b, kpos_b, window)
                 return dispatch.sparse_attention_train(q_b, keys_b, mask, entries, entry_bytes, entry_scales, picks_b,
                                                        sink, scale, mode=impl, layout=self.policy.lowering.layout)
-            keys_w, mask_w = window_keys(keys_b, kpos_b, kok_b, pos_b, window)  # `__call__`'s bands, block by block
-            if picks_b is not None:
-                sel = jax.vmap(lambda e, i: e[i])(entries, jnp.maximum(picks_b, 0))  # [B, Q, k, K]
-                return attend_step(q_b, keys_w, mask_w, sel, picks_b >= 0, sink, scale)
-            shared = None if entries is None else (entries, ix.visible_entries(pos_b, ratio, entries.shape[1]))
-            return attend_step(q_b, keys_w, mask_w, None, None, sink, scale, shared)
+            return self._weigh(q_b, keys_b, kpos_b, kok_b, pos_b, entries, picks_b)
 
         out = over_query_blocks(attend, self.query_block, q_BSHK, positions_BS, picks, pads=(0, -1, -1), sequence=seq)
         return self.output(out, positions_BS), mine
