@@ -268,8 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "tokens, prefill seconds, decode tokens/s) go to stderr. Prefill seconds run to the first "
                     "token and include compilation; the decode rate leaves out the first decode step, which "
                     "compiles.",
-        epilog="example: dsv41 generate --config tiny --prompt 'Hello' --max-new-tokens 16 --temperature 0.8 "
-               "--top-p 0.95 --stop 10")
+        epilog="example (the shipped passkey model; prints 71832): "
+               + """dsv41 generate --config passkey --prompt "The grass is green. The pass key is 71832. Remember it. """
+               + """The sky is blue. What is the pass key? The pass key is " --max-new-tokens 5""")
     p.add_argument("--config", default="small", help="config name in configs/ or a .json/.toml/.py path "
                                                      "(default: small)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -107,7 +107,8 @@ def add_parser(subparsers):
     p = subparsers.add_parser(
         "passkey", help="passkey retrieval accuracy of the trained demo model, by context and depth",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example: dsv41 passkey --contexts 2048,4096,8192 --depths 0,0.25,0.5,0.75,1 --n 8")
+        epilog="examples:\n  dsv41 passkey --contexts 2048,4096,8192 --depths 0,0.25,0.5,0.75,1 --n 8\n"
+               "  dsv41 passkey --weights w.safetensors --contexts 2048 --n 2   # weights of dsv41 train --export")
     p.add_argument("--contexts", default="2048,4096,8192", help="tokens per prompt, answer included")
     p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, fractions of the filler")
     p.add_argument("--n", type=int, default=8, help="prompts per cell (one batch)")

@@ -398,7 +398,8 @@ async def _sse(engine, req: Request, events: asyncio.Queue, shape: _Shape, inclu
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "serve", help="an OpenAI-compatible server with continuous batching over the compressed cache",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: dsv41 serve --api-key sk-local   # then an OpenAI client at http://127.0.0.1:8000/v1")
     p.add_argument("--config", default="passkey", help="config name or path (default: the trained passkey model)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--weights", default=None,

@@ -801,10 +801,18 @@ def fit(cfg, tc: TrainConfig, data, steps: int, *, seed: int = 0, checkpointer=N
 
 def add_parser(subparsers):
     """Registers `train` on an argparse subparsers object."""
+    import argparse
+
     p = subparsers.add_parser(
         "train", help="train on a synthetic long-context task or a token file",
-        description="Continued training (DESIGN §10). Example: dsv41 train --config tiny --task passkey "
-                    "--steps 200 --seq 256 --ckpt-dir /tmp/run --set train.learning_rate=1e-3")
+        description="Continued training (DESIGN §10): optax AdamW, orbax checkpoints (--ckpt-dir), the indexer's KL "
+                    "beside the language-model loss.",
+        epilog="examples (from the repository root):\n"
+               "  dsv41 train --config passkey --task passkey --init-from configs/passkey.safetensors --seq 512 "
+               "--batch 2 --steps 10 --set train.learning_rate=5e-5 --export w.safetensors\n"
+               "  dsv41 train --config tiny --task passkey --steps 200 --seq 256 --ckpt-dir /tmp/run "
+               "--set train.learning_rate=1e-3",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="small", help="config name in configs/ or a .json/.toml/.py path")
     p.add_argument("--task", default="passkey", help="passkey | kv_recall | a .npy/.bin token file")
     p.add_argument("--token-dtype", default=None, help="dtype of a raw .bin token file, e.g. uint16")

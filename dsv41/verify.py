@@ -527,7 +527,8 @@ def _ints(text: str, field: str) -> list[int]:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("verify", help="the long-context verification workflow: context sweep, memory "
                               "against the formula, accuracy with compression on and off, plots and a report",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog="example: dsv41 verify --quick --out verify-quick")
     p.add_argument("--config", default=passkey.CONFIG, help="config name or path (default: passkey, the trained "
                    "model shipped with its weights)")
     p.add_argument("--weights", default=None, help="a weights file of the config (default: the shipped one; a config "

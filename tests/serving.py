@@ -46,16 +46,23 @@ def free_port() -> int:
 def running_server(tmp_path_factory, *args, env=()):
     """`python -m dsv41 serve --port P --prefix-cache TMP *args` on CPU under the test session's compilation
     cache (if on); yields its base URL (no /v1) once /health answers 200 (within 600 s) and stops it on exit."""
-    import jax
-
     port = free_port()
-    environ = {**os.environ, "JAX_PLATFORMS": "cpu", **dict(env)}
-    environ["DSV41_COMPILE_CACHE"] = jax.config.jax_compilation_cache_dir or "off"
     cmd = [sys.executable, "-m", "dsv41", "serve", "--port", str(port),
            "--prefix-cache", str(tmp_path_factory.mktemp("prefix_cache")), *args]
-    log = tmp_path_factory.mktemp("server") / "server.log"
+    with serving(cmd, port, tmp_path_factory.mktemp("server") / "server.log", env=env) as base:
+        yield base
+
+
+@contextlib.contextmanager
+def serving(cmd, port: int, log, env=(), cwd=None):
+    """Runs the server command `cmd` (argv) on CPU under the test session's compilation cache (if on), its
+    output in `log`; yields http://127.0.0.1:port once /health answers 200 (within 600 s) and stops it on exit."""
+    import jax
+
+    environ = {**os.environ, "JAX_PLATFORMS": "cpu", **dict(env)}
+    environ["DSV41_COMPILE_CACHE"] = jax.config.jax_compilation_cache_dir or "off"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environ, cwd=cwd)
     base = f"http://127.0.0.1:{port}"
     LIVE[proc.pid] = (proc, log)
     try:

@@ -155,3 +155,16 @@ def test_demo_runs_a_v4_config(capsys):
     assert "\r" not in out.err
     assert [line for line in out.err.splitlines() if "tokens" in line] == [
         f"prefill (full) {n}/200 tokens" for n in (64, 128, 192, 200)]
+
+
+@pytest.mark.slow  # the shipped passkey model: one prefill and 5 decode steps
+def test_the_readme_generate_block_prints_the_key(tmp_path):
+    """The README's `dsv41 generate` line as written prints the key its prompt holds, and nothing else, to stdout."""
+    import readme
+
+    command = readme.block("Generate")
+    key = re.search(r"pass key is (\d+)\.", command)[1]
+    out = readme.run_bash(command, readme.workdir(tmp_path), timeout=600)
+    assert out.returncode == 0, readme.failure(out)
+    assert out.stdout.strip() == key == "71832"
+    assert re.search(r"prompt 111 tokens, generated 5 tokens", out.stderr), out.stderr

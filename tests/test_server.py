@@ -225,3 +225,34 @@ def test_a_server_on_a_mesh_of_eight_devices_answers_like_one_device(tmp_path_fa
         assert _metric(base, "dsv41_compiles_after_warmup_total") == 0
     assert on_mesh == one_device
     assert sum(a == b for a, b in zip(on_mesh, answers)) >= 7
+
+
+def test_the_readme_serve_blocks_run_as_written(tmp_path):
+    """The README's `dsv41 serve` line, as written (its defaults: port 8000, 8 slots of the context window, the
+    prefix cache in `$DSV41_PREFIX_CACHE`, here a temporary directory), then its `openai` snippet, as written,
+    in another process. Were port 8000 taken on this machine, both would get another port instead (the one
+    change), so that the suite does not depend on it. The snippet's answer is the key in its prompt."""
+    import socket
+
+    import readme
+
+    command = readme.block("Serve (OpenAI-compatible)", "bash")
+    snippet = readme.block("Serve (OpenAI-compatible)", "python")
+    port = 8000
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            port = serving.free_port()
+            command += f" --port {port}"
+            snippet = snippet.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    work = readme.workdir(tmp_path)
+    with serving.serving(["bash", "-c", f"exec {command}"], port, tmp_path / "server.log", env=readme.env(work),
+                         cwd=work):
+        out = readme.run_python(snippet, work, timeout=300)
+    assert out.returncode == 0, readme.failure(out)
+    (prompt,), (answer,) = passkey.examples(context=2048, depth=0.5, n=1)
+    assert out.stdout.split() == [answer.decode(), answer.decode(), str(len(prompt))]
+    assert "# 08855 08855 2043" in snippet   # what the README says it prints
+    log = (tmp_path / "server.log").read_text()
+    assert f"serving dsv41-passkey on http://127.0.0.1:{port}/v1 (8 slots of 16384 tokens" in log

@@ -11,21 +11,20 @@ import dsv41
 from dsv41 import cli, flop_model, passkey, verify, verify_report
 from dsv41.errors import ConfigError
 
-# The accuracy prompts fill the sweep's capacity (512 + 128) and both prefill in 256-token chunks at batch 1, so the
-# shipped, FP8 and float variants each compile one prefill and one decode program for both.
-CONTEXT, ACC_CONTEXT, DEPTH, N, SEED, CHUNK = 512, 640, 0.5, 1, 1, 256
+# The README's `dsv41 verify --quick --out verify-quick`, run as written: its sweep's first context, the accuracy
+# cell recomputed here, the prompts per cell, the seed and chunk it runs with (verify.QUICK and the defaults).
+CONTEXT, ACC_CONTEXT, DEPTH, N, SEED, CHUNK = 1024, 1024, 0.5, 2, 0, 512
+assert (verify.QUICK["contexts"][0], verify.QUICK["accuracy_contexts"], verify.QUICK["n"]) == (CONTEXT, (ACC_CONTEXT,), N)
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("verify")
-    # The command's own path (its flags parsed by the CLI's parser) under the test session's compile cache.
-    args = cli.build_parser().parse_args(
-        ["verify", "--contexts", str(CONTEXT), "--accuracy-contexts", str(ACC_CONTEXT), "--depths", str(DEPTH),
-         "--n", str(N), "--seed", str(SEED), "--chunk", str(CHUNK), "--variants", "shipped,fp8-kv,quant-none",
-         "--full-size-contexts", "",  # the full-size lowering is compile_report's, tested there
-         "--out", str(out)])
-    assert verify.run(args) == 0
+    import readme
+
+    work = readme.workdir(tmp_path_factory.mktemp("verify"))
+    run = readme.run_bash(readme.block("Verify the compression"), work, timeout=1500)
+    assert run.returncode == 0, readme.failure(run)
+    out = work / "verify-quick"
     return out, json.loads((out / "results.json").read_text())
 
 
@@ -45,7 +44,7 @@ def closed_formula(cfg, capacity: int) -> int:
     return entries + rings + leftovers + 4
 
 
-@pytest.mark.slow  # compiles the passkey model's steps for three variants
+@pytest.mark.slow  # the README's quick run: the passkey model's steps for eight variants (~4.5 min)
 def test_the_report_against_independent_sources(report):
     out, r = report
     cfg = dsv41.load_config("passkey")
@@ -69,7 +68,7 @@ def test_the_report_against_independent_sources(report):
     want = passkey.accuracy(params, cfg, ACC_CONTEXT, DEPTH, N, seed=SEED, chunk=CHUNK)
     cell = next(c for c in r["accuracy"]["shipped"] if (c["context"], c["depth"]) == (ACC_CONTEXT, DEPTH))
     assert (cell["accuracy"], cell["decoded"]) == (want["accuracy"], want["decoded"])
-    assert set(r["accuracy"]) == {verify.REFERENCE, "shipped", "fp8-kv", "quant-none"}
+    assert set(r["accuracy"]) == {verify.REFERENCE, *verify.VARIANTS}
     for name, agree in r["logits"].items():
         assert 0 <= agree["top1_agreement"] <= 1 and agree["mean_kl"] >= 0 and agree["positions"] == N * passkey.DIGITS
     # The plots: PNGs of the documented size, embedded in the report.
