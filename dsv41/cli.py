@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import textwrap
 
 from dsv41 import accounting, compile_cache, plan
 from dsv41.config import family, load_config
@@ -264,11 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "generate", help="generate text from a prompt (--weights, else the config's shipped weights, else random "
                          "parameters from --seed)",
-        description="Streams the generated text to stdout; prefill progress and a summary (prompt and generated "
-                    "tokens, prefill seconds, decode tokens/s) go to stderr. Prefill seconds run to the first "
-                    "token and include compilation; the decode rate leaves out the first decode step, which "
-                    "compiles.",
-        epilog="example (the shipped passkey model; prints 71832): "
+        description=textwrap.fill(
+            "Streams the generated text to stdout; prefill progress and a summary (prompt and generated tokens, "
+            "prefill seconds, decode tokens/s) go to stderr. Prefill seconds run to the first token and include "
+            "compilation; the decode rate leaves out the first decode step, which compiles.", 100),
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # the example stays one line, to copy as it is
+        epilog="example (the shipped passkey model; prints 71832):\n  "
                + """dsv41 generate --config passkey --prompt "The grass is green. The pass key is 71832. Remember it. """
                + """The sky is blue. What is the pass key? The pass key is " --max-new-tokens 5""")
     p.add_argument("--config", default="small", help="config name in configs/ or a .json/.toml/.py path "

@@ -17,8 +17,14 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 # XLA:CPU's library fusions (YNNPACK): none, so each fusion is emitted by XLA itself, one way for any size.
+# Dots are not fusions: XLA:CPU calls its GEMM, whose rounding of a row can depend on the row count
+# (`dots_round_rows_alike`; docs/batch_invariance.md). Keeping YNNPACK for dots alone fixes that for float32
+# dots of 2+ rows but not for bf16 ones under 8 rows, and it takes the elementwise ops next to a dot into
+# the library above a size threshold: the model's prefill then differs from its forward by 7e-2.
 _BATCH_INVARIANT = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
@@ -39,6 +45,19 @@ def compiler_options(platform: str | None = None, **extra: str) -> dict | None:
         return None
     wanted = {**_BATCH_INVARIANT, **extra}
     return {name: value for name, value in wanted.items() if _known(name, value)} or None
+
+
+@functools.lru_cache(maxsize=None)
+def dots_round_rows_alike() -> bool:
+    """Whether this machine's XLA:CPU gives row m of a float32 [M, 512] x [512, 512] dot the same bits for
+    every M (checked at M = 1..12 and 109-111 against M = 300, once per process). On an AVX2 machine (AMD
+    EPYC, 2 cores) its GEMM rounds the trailing 1-3 rows past a multiple of 6 its own way: False there."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((300, 512)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((512, 512)), jnp.float32)
+    dot = jax.jit(lambda x: jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST), compiler_options=compiler_options())
+    full = np.asarray(dot(x))
+    return all(np.array_equal(np.asarray(dot(x[:m])), full[:m]) for m in (*range(1, 13), 109, 110, 111))
 
 
 class jit:

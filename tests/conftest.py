@@ -77,7 +77,27 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((title, text))
 
 
+def _machine() -> str:
+    """The CPU the suite ran on (its timings and the GEMM's rounding depend on it): model, cores, vector ISA."""
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    isa = "+".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags) or "-"
+    return f"{model}, {os.cpu_count()} cores, {isa}"
+
+
 def pytest_terminal_summary(terminalreporter):
+    terminalreporter.write_line(f"machine: {_machine()}")
     if _COMPILE_CACHE["dir"] is not None:
         terminalreporter.write_line(f"compilation cache: {_COMPILE_CACHE['hits']} programs loaded instead of "
                                     f"compiled, {_COMPILE_CACHE['saved_s']:.0f} s of compiling saved")

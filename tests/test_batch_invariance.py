@@ -33,20 +33,35 @@ def _mixes(x_BSND):
     return site.mixes(x_BSND)
 
 
-OPS = {  # name: (function, input shape with the tokens at axis 1 of 300)
-    "mhc_mixes": (_mixes, (1, 300, 4, 16)),
-    "softmax_over_4": (lambda x: jax.nn.softmax(x, axis=-1), (1, 300, 4, 4)),
-    "exp_minus_max": (lambda x: jnp.exp(x - x.max(-1, keepdims=True)), (1, 300, 4, 4)),
-    "row_sum_64": (lambda x: x.sum(-1), (1, 300, 64)),
-    "rms_normalize_256": (lambda x: rms_normalize(x, 1e-6), (1, 300, 256)),
+_W = np.random.default_rng(1).standard_normal((512, 512)).astype(np.float32)
+
+
+def _dot(x, dtype):
+    return jnp.dot(x.astype(dtype), jnp.asarray(_W, dtype), preferred_element_type=jnp.float32,
+                   precision=jax.lax.Precision.HIGHEST)
+
+
+# The ops with a dot: XLA:CPU's GEMM rounds a row by its place in the row count on some machines (an AVX2
+# AMD EPYC: the trailing 1-3 rows past a multiple of 6), and these then differ: the marker expects it there.
+GEMM_ROWS = pytest.mark.xfail(not xla_options.dots_round_rows_alike(), strict=True,
+                              reason="this machine's XLA:CPU GEMM rounds the last rows of a dot by the row count")
+
+OPS = {  # name: (function, input shape with the tokens at axis 1 of 300, marks)
+    "dot_512x512_f32": (lambda x: _dot(x, jnp.float32), (1, 300, 512), GEMM_ROWS),
+    "dot_512x512_bf16": (lambda x: _dot(x, jnp.bfloat16), (1, 300, 512), GEMM_ROWS),
+    "mhc_mixes": (_mixes, (1, 300, 4, 16), GEMM_ROWS),  # its mixing logits are a [S, 64] x [64, 24] dot
+    "softmax_over_4": (lambda x: jax.nn.softmax(x, axis=-1), (1, 300, 4, 4), ()),
+    "exp_minus_max": (lambda x: jnp.exp(x - x.max(-1, keepdims=True)), (1, 300, 4, 4), ()),
+    "row_sum_64": (lambda x: x.sum(-1), (1, 300, 64), ()),
+    "rms_normalize_256": (lambda x: rms_normalize(x, 1e-6), (1, 300, 256), ()),
 }
 
 
-@pytest.mark.parametrize("name", OPS)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=marks) for name, (_, _, marks) in OPS.items()])
 def test_a_row_rounds_the_same_whatever_the_token_count(name):
     """Row s of an op over the first n tokens equals, bit for bit, row s over all 300 (n below and above
     XLA:CPU's library threshold)."""
-    fn, shape = OPS[name]
+    fn, shape, _ = OPS[name]
     jitted = xla_options.jit(fn)
     x = jnp.asarray(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     full = jax.tree.leaves(jitted(x))

@@ -428,7 +428,7 @@ def run(*args):
 
 def test_python_m_dsv41_generate_help_and_a_bad_argument():
     out = run("--help")
-    assert out.returncode == 0 and "example: dsv41 generate" in out.stdout
+    assert out.returncode == 0 and "prints 71832):\n  dsv41 generate --config passkey --prompt" in out.stdout
     out = run("--config", "tiny", "--prompt", "hi", "--temperature", "-1")
     assert out.returncode == 2 and "dsv41: error: temperature: -1.0: expected >= 0" in out.stderr
 

@@ -13,6 +13,7 @@ import pytest
 import dsv41
 from dsv41 import cache as cache_lib
 from dsv41 import prefix_cache as pc_lib
+from dsv41 import xla_options
 
 CHUNK, MAX_LEN, BLOCK = 32, 128, 32
 SWA_TTL = 5 * 60
@@ -123,6 +124,8 @@ def test_replay_covering_the_whole_prefix_is_exact(model, tmp_path):
     clock.now += SWA_TTL + 1
     logits, _, infos = pc.prefill([prompt[:20]], MAX_LEN, chunk=CHUNK)
     assert infos[0] == pc_lib.RestoreInfo(16, "replay", (16, 16))
+    if not xla_options.dots_round_rows_alike():  # programs of 16 + 4 rows against one of 20
+        pytest.xfail("this machine's XLA:CPU GEMM rounds the last rows of a dot by the row count")
     assert np.abs(np.asarray(logits) - np.asarray(cold_logits)).max() < 1e-5
 
 

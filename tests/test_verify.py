@@ -71,7 +71,9 @@ def test_the_report_against_independent_sources(report):
     want = passkey.accuracy(params, cfg, ACC_CONTEXT, DEPTH, N, seed=SEED, chunk=CHUNK)
     cell = next(c for c in r["accuracy"]["shipped"] if (c["context"], c["depth"]) == (ACC_CONTEXT, DEPTH))
     assert (cell["accuracy"], cell["decoded"]) == (want["accuracy"], want["decoded"])
-    assert set(r["accuracy"]) == {verify.REFERENCE, *verify.VARIANTS}
+    # Each variant's cells, and the prefix-cache restore with the rings from the pool beside bounded replay's.
+    assert set(r["accuracy"]) == {verify.REFERENCE, *verify.VARIANTS, "replay-exact"}
+    assert len(r["accuracy"]["replay-exact"]) == len(r["accuracy"]["replay"])
     for name, agree in r["logits"].items():
         assert 0 <= agree["top1_agreement"] <= 1 and agree["mean_kl"] >= 0 and agree["positions"] == N * passkey.DIGITS
     # The plots: PNGs of the documented size, embedded in the report.
