@@ -349,6 +349,8 @@ def _validate_common(cfg) -> None:
     _one_of(cfg, "quant", ("qat", "none"))
     _one_of(cfg, "runtime.param_dtype", ("float32", "bfloat16"))
     _one_of(cfg, "runtime.compute_dtype", ("float32", "bfloat16"))
+    from dsv41.nn.policy import weight_format
+    weight_format(cfg)
     _one_of(cfg, "runtime.prefill_schedule", ("full", "ced"))
     _one_of(cfg, "runtime.kernels", ("auto", "pallas", "pallas_interpret", "reference"))
     _one_of(cfg, "runtime.row_loop", ("off", "on"))
@@ -494,3 +496,14 @@ def _validate_layout(cfg) -> None:
         if part.get("role", "main") not in ("main", "index"):
             raise ConfigError(f"{path}.role", part["role"], "expected 'main' or 'index'")
         formats.make_part(path, part["dims"], part["dtype"], part.get("scale", "none"), part.get("count", 1))
+
+
+def weight_format_overrides(fmt: str | None) -> list[str]:
+    """`--set` overrides that give a config the weight format `fmt` (`dsv41.nn.weights.FORMATS`; None: none):
+    `shipped` keeps param_dtype for the parameters the release does not quantise; bf16 / f32 set it."""
+    if fmt is None:
+        return []
+    dtypes = {"f32": "float32", "bf16": "bfloat16"}
+    if fmt != "shipped" and fmt not in dtypes:
+        raise ConfigError("--weight-format", fmt, "expected one of ['shipped', 'bf16', 'f32']")
+    return [f'runtime.weight_format="{fmt}"'] + ([f'runtime.param_dtype="{dtypes[fmt]}"'] if fmt in dtypes else [])

@@ -2,7 +2,8 @@
 
 Three sources, one parameter tree:
 - the official DeepSeek-V4.1 release (`load_official`): safetensors shards in DeepSeek's own naming,
-  quantised as shipped, dequantised here to float32;
+  quantised as shipped, held so under the weight format `shipped` (`dsv41.nn.weights`), else dequantised here
+  to float32;
 - transformers-style checkpoints (`load_transformers`): the released V4 and the V4.1 port, through
   `transformers_io.params_from_transformers`;
 - dsv41's own tree (`save_params` / `load_params`): one safetensors file keyed by the dotted parameter
@@ -39,6 +40,7 @@ value and a power of two is exact there, and XLA CPU would flush subnormal resul
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import re
@@ -55,6 +57,8 @@ from flax import nnx
 
 from dsv41 import stacking, transformers_io
 from dsv41.errors import ConfigError
+from dsv41.nn import weights as weights_lib
+from dsv41.nn.policy import weight_format
 from dsv41.transformers_io import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -164,23 +168,39 @@ def dequantize_mxfp4(packed, scales) -> np.ndarray:
     return (E2M1_VALUES[codes] * _powers(scales, (1, BLOCK), codes.shape)).astype(np.float32)
 
 
-def _dequantize(name: str, values: np.ndarray, scale_name: str, scales: np.ndarray):
-    """(float32 weight, None), or (None, what is wrong) for a quantised weight and its scales."""
+def _check_quantised(name: str, values: np.ndarray, scale_name: str, scales: np.ndarray) -> str | None:
+    """What is wrong with a quantised weight and its scales, or None."""
     if values.ndim != 2:
-        return None, f"{name}: got shape {values.shape}, expected a 2-D quantised weight"
+        return f"{name}: got shape {values.shape}, expected a 2-D quantised weight"
     if scales.dtype not in _SCALE_DTYPES:
-        return None, f"{scale_name}: got dtype {scales.dtype}, expected UE8M0 (F8_E8M0 or U8)"
+        return f"{scale_name}: got dtype {scales.dtype}, expected UE8M0 (F8_E8M0 or U8)"
     if values.dtype == _FP8:
-        block = (1, BLOCK) if _ROW_SCALED.search(name) else (BLOCK, BLOCK)
-        shape, dequantize = values.shape, lambda: dequantize_fp8(values, scales, block)
+        block, shape = ((1, BLOCK) if _ROW_SCALED.search(name) else (BLOCK, BLOCK)), values.shape
     else:
-        block = (1, BLOCK)
-        shape, dequantize = (values.shape[0], 2 * values.shape[1]), lambda: dequantize_mxfp4(values, scales)
+        block, shape = (1, BLOCK), (values.shape[0], 2 * values.shape[1])
     want = scale_shape(shape, block)
     if tuple(scales.shape) != want:
-        return None, (f"{scale_name}: got {tuple(scales.shape)}, expected {want} "
-                      f"({block[0]}×{block[1]} blocks of {name} {tuple(values.shape)})")
-    return dequantize(), None
+        return (f"{scale_name}: got {tuple(scales.shape)}, expected {want} "
+                f"({block[0]}×{block[1]} blocks of {name} {tuple(values.shape)})")
+    return None
+
+
+def _dequantize(name: str, values: np.ndarray, scale_name: str, scales: np.ndarray):
+    """(float32 weight, None), or (None, what is wrong) for a quantised weight and its scales."""
+    problem = _check_quantised(name, values, scale_name, scales)
+    if problem:
+        return None, problem
+    if values.dtype == _FP8:
+        return dequantize_fp8(values, scales, (1, BLOCK) if _ROW_SCALED.search(name) else (BLOCK, BLOCK)), None
+    return dequantize_mxfp4(values, scales), None
+
+
+def _as_held(values: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A quantised weight and its scales as the `shipped` format holds them: E4M3 or uint8 (MXFP4 pairs) values,
+    F8_E8M0 scales (the same bytes)."""
+    if values.dtype in _PACKED:
+        values = np.asarray(values).view(np.uint8)
+    return values, np.asarray(scales).view(ml_dtypes.float8_e8m0fnu)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -249,6 +269,8 @@ def params_from_official(tensors: Mapping[str, np.ndarray], cfg, progress: Progr
     scales = {n for n in tensors if n.endswith(".scale") and not skip.search(n)}
     unknown, missing, misshaped, used = [], [], [], set()
     port: dict[str, np.ndarray] = {}
+    held = weight_format(cfg) == "shipped"  # keep the quantised weights as shipped, else dequantise them here
+    port_scales: dict[str, np.ndarray] = {}
     for done, name in enumerate(names, 1):
         target, array = port_name(name), tensors[name]
         scale_name = name.removesuffix("weight") + "scale"
@@ -259,12 +281,18 @@ def params_from_official(tensors: Mapping[str, np.ndarray], cfg, progress: Progr
                 missing.append(scale_name)
             else:
                 used.add(scale_name)
-                array, problem = _dequantize(name, array, scale_name, tensors[scale_name])
+                if held:
+                    problem = _check_quantised(name, array, scale_name, tensors[scale_name])
+                    if not problem:
+                        port[target], port_scales[target] = _as_held(array, tensors[scale_name])
+                else:
+                    array, problem = _dequantize(name, array, scale_name, tensors[scale_name])
+                    if not problem:
+                        port[target] = array
                 if problem:
                     misshaped.append(problem)
-                else:
-                    port[target] = array
         elif array.dtype in _FLOATS:
+            # under `shipped` a float matrix the release quantises is refused where it is placed (dtype check)
             port[target] = np.asarray(array, np.float32)
         else:
             misshaped.append(f"{name}: got dtype {array.dtype}, "
@@ -278,7 +306,7 @@ def params_from_official(tensors: Mapping[str, np.ndarray], cfg, progress: Progr
         else:
             missing.append(weight)
     try:
-        params = transformers_io.params_from_transformers(port, cfg)
+        params = transformers_io.params_from_transformers(port, cfg, scales=port_scales if held else None)
     except CheckpointError as e:
         # The port's loader lists the parameters left unset and the shapes after placement.
         _raise(unknown, missing, misshaped, str(e).partition("\n")[2])
@@ -288,7 +316,8 @@ def params_from_official(tensors: Mapping[str, np.ndarray], cfg, progress: Progr
 
 def load_official(path_or_dir, cfg, progress: Progress | None = None) -> nnx.State:
     """dsv41 parameters from official V4.1 safetensors (a file, or a directory of shards with or without
-    `model.safetensors.index.json`), dequantised to float32 (module docstring)."""
+    `model.safetensors.index.json`): held as shipped under the config's weight format `shipped`, else dequantised
+    to float32 (module docstring)."""
     return params_from_official(read_checkpoint(path_or_dir), cfg, progress)
 
 
@@ -326,9 +355,9 @@ def _key(path) -> str:
 
 def save_params(params: nnx.State, cfg, path, dtype: str = "float32") -> int:
     """Writes a parameter tree to one safetensors file (keys: dotted per-layer parameter paths,
-    `layers.{i}.attn.wq_a.w`, whatever the stacks; floating leaves in `dtype`, "float32" or "bfloat16";
-    integer leaves as they are), so a file reads back whatever the stacks (`dsv41.stacking`). Returns the
-    bytes written."""
+    `layers.{i}.attn.wq_a.w`, whatever the stacks; floating leaves in `dtype`, "float32" or "bfloat16", except
+    the weights held as shipped, written as they are held with their `_scale`s; integer leaves as they are), so
+    a file reads back whatever the stacks (`dsv41.stacking`). Returns the bytes written."""
     from safetensors.numpy import save_file
 
     dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
@@ -337,21 +366,35 @@ def save_params(params: nnx.State, cfg, path, dtype: str = "float32") -> int:
     tensors = {}
     for p, var in stacking.per_layer(params, cfg):
         a = np.asarray(var.get_value())
-        floating = jnp.issubdtype(a.dtype, jnp.floating)
+        floating = jnp.issubdtype(a.dtype, jnp.floating) and a.dtype.itemsize > 1  # not FP8 values or scales
         tensors[_key(p)] = np.ascontiguousarray(a.astype(dtypes[dtype]) if floating else a)
     save_file(tensors, str(path), metadata={"format": "dsv41", "dtype": dtype})
     return Path(path).stat().st_size
 
 
 def load_params(path, cfg) -> nnx.State:
-    """The parameter tree `save_params` wrote, checked against `cfg` and cast to its parameter dtypes."""
+    """The parameter tree `save_params` wrote, checked against `cfg` and cast to its parameter dtypes. A file of
+    weights held as shipped loads into a config of a wider weight format dequantised (`weights.widened`);
+    the reverse is refused, naming the tensors (quantising is a choice: `dsv41 convert` from the release)."""
     from dsv41 import model as model_lib
+    from dsv41.nn import weights as weights_lib
 
     tensors = read_safetensors(path)
     expected = {_key(p): (p, var) for p, var in _abstract(model_lib.config_key(cfg))}
+    held = {k for k in tensors if k.endswith("_scale") and k.removesuffix("_scale") in tensors}
+    if held and not any(k.endswith("_scale") for k in expected):
+        for k in held:  # a shipped file, a wider config: dequantise each held weight here
+            name = k.removesuffix("_scale")
+            kind = weights_lib.kind_of_scale(k.rpartition(".")[2], tensors[name], tensors[k])
+            tensors[name] = np.asarray(weights_lib.dequantize(kind, tensors[name], tensors.pop(k)))
     misshaped = [f"{k}: got {tuple(tensors[k].shape)}, expected {tuple(var.get_value().shape)}"
                  for k, (_, var) in expected.items()
                  if k in tensors and tuple(tensors[k].shape) != tuple(var.get_value().shape)]
+    misshaped += [f"{k}: got dtype {tensors[k].dtype}, expected {jnp.dtype(var.get_value().dtype)} (weight format "
+                  f"'shipped' holds the release's bytes; convert them from the release)"
+                  for k, (_, var) in expected.items()
+                  if k in tensors and jnp.dtype(var.get_value().dtype).itemsize == 1
+                  and np.dtype(tensors[k].dtype) != jnp.dtype(var.get_value().dtype)]
     _raise(sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors)), misshaped)
     return stacking.from_per_layer({p: tensors[k] for k, (p, _) in expected.items()},
                                    model_lib.abstract_params(cfg), cfg)
@@ -388,7 +431,7 @@ def add_parser(subparsers):
     p = subparsers.add_parser(
         "convert", help="a checkpoint (official DeepSeek or transformers) -> dsv41 parameters in one file",
         description="Reads safetensors in the official DeepSeek-V4.1 naming (FP8 32x32 blocks, MXFP4 experts, "
-                    "FP8 Engram tables, dequantised to float32) or in a transformers naming (released V4, "
+                    "FP8 Engram tables, kept so or dequantised: --weight-format) or in a transformers naming (released V4, "
                     "V4.1 port) and writes dsv41's parameter tree to one safetensors file that "
                     "dsv41.convert.load_params reads back. Any unknown, missing or misshaped tensor is listed.",
         epilog="example: dsv41 convert --config v41_flash --from official /ckpt/DeepSeek-V4.1-Flash "
@@ -400,16 +443,32 @@ def add_parser(subparsers):
                    help="the naming of SRC")
     p.add_argument("src", metavar="SRC", help="a .safetensors file, or a directory of shards")
     p.add_argument("--out", required=True, metavar="DST.safetensors", help="where to write the parameters")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="dtype of the written floating parameters (default: float32)")
+    p.add_argument("--weight-format", choices=weights_lib.FORMATS, default=None,
+                   help="how the written weights are held: 'shipped' keeps the release's FP8 / MXFP4 weights and "
+                        "their scales as they are (the default from the release), 'bf16' / 'f32' dequantises "
+                        "every one (the default from transformers: the config's)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help=argparse.SUPPRESS)  # old name
     return p
+
+
+def _weight_format(args) -> str | None:
+    """--weight-format, or its old spelling --dtype (float32 / bfloat16), or None (the source's default)."""
+    old = {"float32": "f32", "bfloat16": "bf16"}.get(args.dtype)
+    if old and args.weight_format and old != args.weight_format:
+        raise ConfigError("--dtype", args.dtype, f"expected it to agree with --weight-format {args.weight_format} "
+                                                 "(--dtype is its old name: give one)")
+    return args.weight_format or old or ("shipped" if args.source == "official" else None)
 
 
 def run(args) -> int:
     from dsv41 import progress as progress_lib
     from dsv41.config import load_config
 
-    cfg = load_config(args.config, args.set)
+    from dsv41.config import weight_format_overrides
+
+    fmt = _weight_format(args)
+    cfg = load_config(args.config, [*args.set, *weight_format_overrides(fmt)])
+    fmt = weight_format(cfg)
     start = time.perf_counter()
     tensors = read_checkpoint(args.src)
     bar = progress_lib.bar(total=len(tensors), desc=f"convert ({args.source})", unit="tensor", leave=False)
@@ -423,8 +482,9 @@ def run(args) -> int:
         params = convert(tensors, cfg, progress)
     finally:
         bar.close()
-    size = save_params(params, cfg, args.out, args.dtype)
+    dtype = "float32" if fmt == "f32" else "bfloat16" if fmt == "bf16" else cfg.runtime.param_dtype
+    size = save_params(params, cfg, args.out, dtype)
     count = sum(int(np.prod(var.get_value().shape)) for _, var in nnx.to_flat_state(params))
-    print(f"{args.out}: {count:,} parameters ({size / 1e6:.1f} MB, {args.dtype}) from {len(tensors)} tensors "
+    print(f"{args.out}: {count:,} parameter values ({size / 1e6:.1f} MB, weight format {fmt}) from {len(tensors)} tensors "
           f"in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0

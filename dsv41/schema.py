@@ -102,8 +102,12 @@ _V41 = {
     # attention layers as a loop over the rows each device holds, one row of each device a trip: their program is
     # emitted at one row's shapes (full size on v5p: 16 % fewer bundles, 31 % fewer temporaries, the compile time
     # within this machine's noise; on this CPU `small`'s batch-8 prefill 1.6× slower: docs/compile_time.md); "off"
-    # (the default) every row at once. Decode steps always run every row at once.
-    "runtime": {"param_dtype": "float32", "compute_dtype": "float32", "prefill_schedule": "full", "kernels": "auto",
+    # (the default) every row at once. Decode steps always run every row at once. weight_format
+    # (`dsv41.nn.weights`): "shipped" holds the matrices the release quantises as it ships them (FP8 E4M3 with
+    # UE8M0 32×32 block scales, MXFP4 routed experts, FP8 Engram rows), dequantised inside each matmul, and the
+    # other parameters as param_dtype; "f32" / "bf16" every parameter as that dtype; "" (unset) the one
+    # param_dtype names.
+    "runtime": {"param_dtype": "float32", "weight_format": "", "compute_dtype": "float32", "prefill_schedule": "full", "kernels": "auto",
                 "score_tile": 1024, "query_block": 512, "row_loop": "off"},
     # Model dimensions (DESIGN §2): the block the user schema does not have.
     "architecture": {

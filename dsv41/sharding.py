@@ -381,9 +381,11 @@ def engram_on_host(params) -> bool:
 
 
 def engram_table_index(path) -> int | None:
-    """k for the parameter path of the k-th Engram module's table (`engram.{k}.table`), else None."""
+    """k for the parameter path of the k-th Engram module's table (`engram.{k}.table`) or of its row scales
+    (`engram.{k}.table_scale`, held as shipped), else None."""
     keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
-    return int(keys[1]) if len(keys) == 3 and keys[0] == "engram" and keys[2] == "table" else None
+    return (int(keys[1]) if len(keys) == 3 and keys[0] == "engram" and keys[2] in ("table", "table_scale")
+            else None)
 
 
 def shard_cache(cache: Cache, cfg, mesh: Mesh, rules="serve") -> Cache:
@@ -475,35 +477,39 @@ def gather_engram_rows(params, ids_BSLC, table_specs=None, mesh: Mesh | None = N
     b, s, n, c = ids_BSLC.shape
     tables = {}
     for k in range(n):  # the k-th Engram layer's module: `engram.{k}` (outside the stacks)
-        table = params["engram"][k]["table"][...]
         ids = ids_BSLC[:, :, k].reshape(-1)
         spec = P() if table_specs is None else table_specs[k]
         axes = spec[0] if len(spec) else None
-        if not axes:
-            tables[k] = _host_rows(table, ids)
-            continue
-        axes = (axes,) if isinstance(axes, str) else tuple(axes)
-
-        def share(table_R, ids_M, axes=axes):
-            held = table_R.shape[0]
-            local = ids_M - jax.lax.axis_index(axes) * held
-            mine = (local >= 0) & (local < held)
-            rows = _host_rows(table_R, jnp.where(mine, local, 0))
-            # FP8 rows summed as bf16, which holds every FP8 value; the sum adds one row and zeros.
-            wide = jnp.bfloat16 if jnp.dtype(rows.dtype).itemsize == 1 else rows.dtype
-            rows = jnp.where(mine[:, None], rows.astype(wide), jnp.zeros((), wide))
-            return jax.lax.psum(rows, axes)
-
-        tables[k] = jax.shard_map(share, mesh=mesh, in_specs=(P(axes, None), P()), out_specs=P(),
-                                  check_vma=False)(table, ids)
+        for name in ("table", "table_scale"):  # the values and, held as shipped, their row scales
+            if name not in params["engram"][k]:
+                continue
+            table = params["engram"][k][name][...]
+            tables[k, name] = (_host_rows(table, ids) if not axes else
+                               _share_rows(table, ids, mesh, (axes,) if isinstance(axes, str) else tuple(axes)))
 
     def swap(path, v):
         k = engram_table_index(path)
-        return v if k is None else v.replace(tables[k])
+        return v if k is None else v.replace(tables[k, path[-1].key])
 
     params = jax.tree_util.tree_map_with_path(swap, params, is_leaf=_is_var)
     local = jnp.broadcast_to(jnp.arange(b * s * c, dtype=jnp.int32).reshape(b, s, 1, c), (b, s, n, c))
     return params, local
+
+
+def _share_rows(table, ids_M, mesh: Mesh, axes: tuple):
+    """table[ids] of a table whose rows are split over mesh `axes` (`gather_engram_rows`)."""
+    def share(table_R, ids_M):
+        held = table_R.shape[0]
+        local = ids_M - jax.lax.axis_index(axes) * held
+        mine = (local >= 0) & (local < held)
+        rows = _host_rows(table_R, jnp.where(mine, local, 0))
+        # One-byte rows (FP8 values, UE8M0 scales) summed as their bits in int32: the sum adds one row and zeros.
+        one_byte = jnp.dtype(rows.dtype).itemsize == 1
+        wide = jax.lax.bitcast_convert_type(rows, jnp.uint8).astype(jnp.int32) if one_byte else rows
+        wide = jax.lax.psum(jnp.where(mine[:, None], wide, jnp.zeros((), wide.dtype)), axes)
+        return jax.lax.bitcast_convert_type(wide.astype(jnp.uint8), rows.dtype) if one_byte else wide
+
+    return jax.shard_map(share, mesh=mesh, in_specs=(P(axes, None), P()), out_specs=P(), check_vma=False)(table, ids_M)
 
 
 def _host_rows(table_RD, ids_M):

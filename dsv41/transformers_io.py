@@ -154,12 +154,36 @@ V41_RULES = [
 ]
 
 
+_HELD_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e8m0fnu, jnp.uint8))
+
+
+def _scale_path(path: tuple) -> tuple:
+    """The path of the scales of the weight at `path` (`dsv41.nn.weights`: `X` -> `X_scale`)."""
+    return (*path[:-1], f"{path[-1]}_scale")
+
+
+def _grouped_scales(name: str, scale, groups: int, rows: int):
+    """The official `wo_a` scales [⌈G·O/32⌉, ⌈I/32⌉] (32×32 blocks of its [G·O, I] rows) as dsv41's per group
+    [G, ⌈I/32⌉, ⌈O/32⌉]: (scales, None), or (None, what is wrong) where a group's block would span two of the
+    release's blocks with different scales."""
+    block, dtype = 32, np.asarray(scale).dtype
+    per_row = np.repeat(np.asarray(scale).view(np.uint8), block, axis=0)[: groups * rows].reshape(groups, rows, -1)
+    ours = per_row[:, ::block]
+    if not np.array_equal(np.repeat(ours, block, axis=1)[:, :rows], per_row):
+        return None, (f"{name.removesuffix('weight')}scale: {tuple(np.shape(scale))}: the release's 32-row blocks "
+                      f"do not fall within its {groups} groups of {rows} rows, expected one scale per 32 rows of a group")
+    return np.ascontiguousarray(ours.transpose(0, 2, 1)).view(dtype), None
+
+
 class CheckpointError(ValueError):
     """A checkpoint that does not fit the config: every unknown, missing and misshaped tensor listed."""
 
 
-def params_from_transformers(state_dict: Mapping, cfg) -> nnx.State:
-    """dsv41 parameters from a transformers-style state dict (torch tensors or arrays) for `cfg`."""
+def params_from_transformers(state_dict: Mapping, cfg, scales: Mapping | None = None) -> nnx.State:
+    """dsv41 parameters from a transformers-style state dict (torch tensors or arrays) for `cfg`.
+
+    scales: {name in state_dict: UE8M0 scales} of the weights held as shipped (`dsv41.nn.weights`, the config's
+    weight format `shipped`): each goes beside its weight (`X` -> `X_scale`), laid out as the weight is."""
     from dsv41 import model as model_lib
 
     if cfg.architecture.family == "v4":
@@ -195,15 +219,25 @@ def params_from_transformers(state_dict: Mapping, cfg) -> nnx.State:
         if path not in expected and how != "expert":
             unknown.append(name)
             continue
+        scale = None if scales is None else scales.get(name)
         if how == "expert":
             experts.setdefault(path, {})[int(m[2])] = transposed(array)
+            if scale is not None:
+                experts.setdefault(_scale_path(path), {})[int(m[2])] = transposed(scale)
             continue
         if how == "wo_a":
             g = cfg.architecture.o_groups
+            if scale is not None:
+                scale, problem = _grouped_scales(name, scale, g, array.shape[0] // g)
+                if problem:
+                    misshaped.append(problem)
+                    continue
             array = array.reshape(g, -1, array.shape[-1]).transpose(0, 2, 1)
         elif callable(how):
-            array = how(array)
+            array, scale = how(array), None if scale is None else how(scale)
         values[path] = array
+        if scale is not None:
+            values[_scale_path(path)] = scale
     for path, per_expert in experts.items():
         if path not in expected:
             unknown.append(".".join(map(str, path)))
@@ -216,9 +250,13 @@ def params_from_transformers(state_dict: Mapping, cfg) -> nnx.State:
         values[path] = np.stack([per_expert[e] for e in range(n)])
     missing = [".".join(map(str, p)) for p in expected if p not in values]
     for path, array in values.items():
-        want = expected[path].get_value().shape
-        if tuple(array.shape) != tuple(want):
-            misshaped.append(f"{'.'.join(map(str, path))}: got {tuple(array.shape)}, expected {tuple(want)}")
+        like = expected[path].get_value()
+        if tuple(array.shape) != tuple(like.shape):
+            misshaped.append(f"{'.'.join(map(str, path))}: got {tuple(array.shape)}, expected {tuple(like.shape)}")
+        elif jnp.dtype(like.dtype) in _HELD_DTYPES and np.dtype(array.dtype) != jnp.dtype(like.dtype):
+            # a weight held as shipped takes its shipped bytes only: nothing quantised or widened on the way
+            misshaped.append(f"{'.'.join(map(str, path))}: got dtype {np.dtype(array.dtype)}, expected "
+                             f"{jnp.dtype(like.dtype)} (weight format 'shipped'; a wider format loads any)")
     if unknown or missing or misshaped:
         raise CheckpointError(
             "checkpoint does not match the config:"

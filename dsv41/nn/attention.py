@@ -39,10 +39,11 @@ from dsv41 import kv_store, quant
 from dsv41.kernels import dispatch
 from dsv41.kv_store import LayerStore, dequant_entries, dequant_keys, dequant_window, packed, ring_positions
 from dsv41.nn import indexer as ix
+from dsv41.nn import weights
 from dsv41.nn.attend import (NEG_INF, Handoff, attend_step, band_source, blocks_length, over_query_blocks,
                              window_keys, window_mask)
 from dsv41.nn.compressor import Compressor
-from dsv41.nn.linear import Dense, param
+from dsv41.nn.linear import Dense
 from dsv41.nn.norm import RMSNorm, rms_normalize
 from dsv41.nn.policy import Policy
 from dsv41.nn.rope import apply_rope
@@ -65,14 +66,15 @@ class Attention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in inv_freq[record.rope])
         self.compressed_inv_freq = tuple(float(f) for f in inv_freq["compressed"])
 
-        self.wq_a = Dense(d, a.q_lora_rank, ("embed", "q_lora"), policy=policy, rngs=rngs)
+        self.wq_a = Dense(d, a.q_lora_rank, ("embed", "q_lora"), policy=policy, rngs=rngs, shipped=True)
         self.q_norm = RMSNorm(a.q_lora_rank, a.norm_eps, "q_lora")
-        self.wq_b = Dense(a.q_lora_rank, h * k, ("q_lora", "q_heads"), policy=policy, rngs=rngs)
-        self.wkv = Dense(d, k, ("embed", "kv"), policy=policy, rngs=rngs)
+        self.wq_b = Dense(a.q_lora_rank, h * k, ("q_lora", "q_heads"), policy=policy, rngs=rngs, shipped=True)
+        self.wkv = Dense(d, k, ("embed", "kv"), policy=policy, rngs=rngs, shipped=True)
         self.kv_norm = RMSNorm(k, a.norm_eps, "kv")
-        self.wo_a = param(rngs, (a.o_groups, h * k // a.o_groups, a.o_lora_rank), ("o_groups", "o_in", "o_lora"),
-                          policy.param_dtype, policy.init_std)
-        self.wo_b = Dense(a.o_groups * a.o_lora_rank, d, ("o_proj", "embed"), policy=policy, rngs=rngs)
+        self.wo_a_kind = weights.kind_for(policy, weights.FP8)  # per group: the 32×32 blocks of each [in, out]
+        self.wo_a, self.wo_a_scale = weights.make(rngs, (a.o_groups, h * k // a.o_groups, a.o_lora_rank),
+                                                  ("o_groups", "o_in", "o_lora"), policy, self.wo_a_kind)
+        self.wo_b = Dense(a.o_groups * a.o_lora_rank, d, ("o_proj", "embed"), policy=policy, rngs=rngs, shipped=True)
         self.attn_sink = nnx.Param(jnp.zeros((h,), jnp.float32), out_sharding=("heads",), eager_sharding=False)
         self.policy = policy
         # The whole-sequence form over blocks of this many queries when the sequence is longer (0: every query
@@ -123,7 +125,8 @@ class Attention(nnx.Module):
         out = apply_rope(out_BSHK, positions_BS, np.asarray(self.inv_freq, np.float32), inverse=True)
         grouped = out.reshape(b, s, self.groups, -1)
         y = jnp.einsum("bsgi,gio->bsgo", grouped.astype(self.policy.compute_dtype),
-                       self.policy.at_use(self.wo_a[...], ("o_groups", "o_in", "o_lora")).astype(self.policy.compute_dtype),
+                       weights.read(self.wo_a[...], None if self.wo_a_scale is None else self.wo_a_scale[...],
+                                    self.wo_a_kind, ("o_groups", "o_in", "o_lora"), self.policy),
                        precision=self.policy.precision)
         return self.wo_b(y.reshape(b, s, -1))
 

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dsv41.nn.linear import Dense, param
+from dsv41.nn import weights
+from dsv41.nn.linear import Dense
 from dsv41.nn.policy import Policy
 
 GATE_FLOOR = 1e-6
@@ -22,8 +23,14 @@ class Engram(nnx.Module):
     def __init__(self, dim: int, streams: int, rows: int, row_dim: int, columns: int, eps: float, *,
                  policy: Policy, rngs: nnx.Rngs):
         self.dim, self.streams, self.eps = dim, streams, eps
-        self.table = param(rngs, (rows, row_dim), ("engram_rows", "engram_dim"), policy.param_dtype, policy.init_std)
-        self.wkv = Dense(columns * row_dim, (streams + 1) * dim, ("engram_in", "embed"), policy=policy, rngs=rngs)
+        # The release ships the tables as FP8 with a UE8M0 scale per 32 of a row (`dsv41.nn.weights`): `table` and
+        # `table_scale`; the gathered rows are dequantised, never the table.
+        self.kind = weights.kind_for(policy, weights.ROWS)
+        self.table, self.table_scale = weights.make(rngs, (rows, row_dim), ("engram_rows", "engram_dim"), policy,
+                                                    self.kind, what="engram.table")
+        self.policy = policy
+        self.wkv = Dense(columns * row_dim, (streams + 1) * dim, ("engram_in", "embed"), policy=policy, rngs=rngs,
+                         shipped=True)
         self.q_weight = nnx.Param(jnp.ones((streams, dim), jnp.float32), out_sharding=(None, "embed"),
                                   eager_sharding=False)
         self.k_weight = nnx.Param(jnp.ones((streams, dim), jnp.float32), out_sharding=(None, "embed"),
@@ -31,7 +38,11 @@ class Engram(nnx.Module):
 
     def __call__(self, x_BSND, ids_BSC):
         b, s, n, d = x_BSND.shape
-        rows = jnp.take(self.table[...], ids_BSC, axis=0).reshape(b, s, -1)
+        rows = jnp.take(self.table[...], ids_BSC, axis=0)
+        if self.table_scale is not None:
+            rows = weights.dequantize(self.kind, rows, jnp.take(self.table_scale[...], ids_BSC, axis=0),
+                                      self.policy.compute_dtype)
+        rows = rows.reshape(b, s, -1)
         kv = self.wkv(rows)
         key = kv[..., : n * d].astype(jnp.float32).reshape(b, s, n, d)
         value = kv[..., n * d:].astype(jnp.float32)

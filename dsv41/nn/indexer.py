@@ -39,7 +39,7 @@ class Indexer(nnx.Module):
                  eps: float, *, policy: Policy, rngs: nnx.Rngs):
         self.heads, self.head_dim = heads, head_dim
         self.unroll = policy.lowering.unroll_index_heads
-        self.wq_b = Dense(q_lora, heads * head_dim, ("q_lora", "index_heads"), policy=policy, rngs=rngs)
+        self.wq_b = Dense(q_lora, heads * head_dim, ("q_lora", "index_heads"), policy=policy, rngs=rngs, shipped=True)
         self.weights_proj = Dense(dim, heads, ("embed", "index_heads"), policy=policy, rngs=rngs)
         if owns_keys:
             self.wk = Dense(latent, head_dim, ("kv", "index_dim"), policy=policy, rngs=rngs)
@@ -91,7 +91,7 @@ class IndexerV4(Indexer):
         self.rotate = rotate  # `v4.indexer.hadamard`: rotate keys and queries before FP4
         self.unroll = policy.lowering.unroll_index_heads
         self.compressor = CompressorV4(dim, head_dim, ratio, True, eps, policy=policy, rngs=rngs)
-        self.wq_b = Dense(q_lora, heads * head_dim, ("q_lora", "index_heads"), policy=policy, rngs=rngs)
+        self.wq_b = Dense(q_lora, heads * head_dim, ("q_lora", "index_heads"), policy=policy, rngs=rngs, shipped=True)
         self.weights_proj = Dense(dim, heads, ("embed", "index_heads"), policy=policy, rngs=rngs)
 
     def keys(self, x_BSD, inv_freq, fake_quant: bool = False):

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dsv41.nn import weights
 from dsv41.nn.policy import Policy
 
 
@@ -20,16 +21,21 @@ def ones(shape, axes, dtype) -> nnx.Param:
 
 
 class Dense(nnx.Module):
-    """y = x @ w with w [din, dout]."""
+    """y = x @ w with w [din, dout]. shipped: the release ships this matrix as FP8 with 32×32 block scales, and
+    the `shipped` weight format holds it so (`w` E4M3 and `w_scale` UE8M0, `dsv41.nn.weights`)."""
 
-    def __init__(self, din: int, dout: int, axes: tuple[str, str], *, policy: Policy, rngs: nnx.Rngs):
+    def __init__(self, din: int, dout: int, axes: tuple[str, str], *, policy: Policy, rngs: nnx.Rngs,
+                 shipped: bool = False):
         self.policy = policy
         self.axes = tuple(axes)
-        self.w = param(rngs, (din, dout), axes, policy.param_dtype, policy.init_std)
+        self.kind = weights.kind_for(policy, weights.FP8 if shipped else None)
+        self.w, self.w_scale = weights.make(rngs, (din, dout), axes, policy, self.kind)
 
-    def weight(self):
-        """w as the matmul reads it (`Policy.at_use`: gathered where the parameters are FSDP-sharded)."""
-        return self.policy.at_use(self.w[...], self.axes)
+    def weight(self, dtype=None):
+        """w as the matmul reads it, in `dtype` (default the compute dtype): gathered where the parameters are
+        FSDP-sharded (`Policy.at_use`), dequantised in the program when held as shipped."""
+        return weights.read(self.w[...], None if self.w_scale is None else self.w_scale[...], self.kind, self.axes,
+                            self.policy, dtype)
 
     def __call__(self, x):
         return self.policy.dot(x, self.weight())

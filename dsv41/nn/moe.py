@@ -30,6 +30,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from dsv41.errors import ConfigError
 from dsv41.kernels import dispatch
+from dsv41.nn import weights
 from dsv41.nn.attend import over_query_blocks, spec_entry
 from dsv41.nn.linear import Dense, param
 from dsv41.nn.policy import Policy
@@ -60,9 +61,12 @@ class MoE(nnx.Module):
             self.tid2eid = None
             self.bias = BalanceBias(jnp.zeros((experts,), jnp.float32), out_sharding=("experts",),
                                     eager_sharding=False)
-        self.w1 = param(rngs, (experts, dim, inter), ("experts", "embed", "mlp"), policy.param_dtype, policy.init_std)
-        self.w3 = param(rngs, (experts, dim, inter), ("experts", "embed", "mlp"), policy.param_dtype, policy.init_std)
-        self.w2 = param(rngs, (experts, inter, dim), ("experts", "mlp", "embed"), policy.param_dtype, policy.init_std)
+        # The release ships the routed experts as MXFP4 (`dsv41.nn.weights`): `w1` packed E2M1 and `w1_scale` UE8M0.
+        self.kind = weights.kind_for(policy, weights.MXFP4)
+        up, down = ("experts", "embed", "mlp"), ("experts", "mlp", "embed")
+        self.w1, self.w1_scale = weights.make(rngs, (experts, dim, inter), up, policy, self.kind, what="moe.w1")
+        self.w3, self.w3_scale = weights.make(rngs, (experts, dim, inter), up, policy, self.kind, what="moe.w3")
+        self.w2, self.w2_scale = weights.make(rngs, (experts, inter, dim), down, policy, self.kind, what="moe.w2")
         self.shared = SwiGLU(dim, inter * shared, swiglu_limit, policy=policy, rngs=rngs) if shared else None
 
     def route(self, x_ND, tokens_N=None, experts_Nk=None):
@@ -103,7 +107,8 @@ class MoE(nnx.Module):
         a layout (`Policy.lowering.layout`) on a mesh of more than one device (form: `experts`'). rows: the
         (B, S) the N tokens flatten (a sequence-parallel layout splits both)."""
         layout = self.policy.lowering.layout
-        w = (self.w1[...], self.w3[...], self.w2[...])
+        w = tuple(weights.held(v[...], None if sc is None else sc[...], self.kind)
+                  for v, sc in ((self.w1, self.w1_scale), (self.w3, self.w3_scale), (self.w2, self.w2_scale)))
         if layout is None or layout.mesh.size == 1:
             if token_block:  # padding picks name an expert held nowhere (idx = G: no work)
                 def block(n, x_b, weights_b, idx_b):
@@ -176,7 +181,7 @@ def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, p
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=g + 1)[:g].astype(jnp.int32)
     xs = x_ND[order // k].astype(policy.compute_dtype)
-    dot = lambda a, w: jax.lax.ragged_dot(a, w.astype(policy.compute_dtype), sizes, precision=policy.precision,
+    dot = lambda a, w: jax.lax.ragged_dot(a, weights.widen(w, policy.compute_dtype), sizes, precision=policy.precision,
                                           preferred_element_type=policy.compute_dtype)
     h = swiglu(dot(xs, w1_GDI), dot(xs, w3_GDI), limit) * weights_Nk.reshape(-1)[order][:, None]
     ys = dot(h.astype(policy.compute_dtype), w2_GID)
@@ -192,7 +197,7 @@ def _experts_dense(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: f
     g = w1_GDI.shape[0]
     gate_GN = jnp.einsum("nk,nkg->gn", weights_Nk.astype(jnp.float32), jax.nn.one_hot(idx_Nk, g, dtype=jnp.float32))
     xs = jnp.broadcast_to(x_ND.astype(policy.compute_dtype), (g, *x_ND.shape))
-    dot = lambda spec, a, w: jnp.einsum(spec, a, w.astype(policy.compute_dtype), precision=policy.precision,
+    dot = lambda spec, a, w: jnp.einsum(spec, a, weights.widen(w, policy.compute_dtype), precision=policy.precision,
                                         preferred_element_type=policy.compute_dtype)
     h = swiglu(dot("gnd,gdi->gni", xs, w1_GDI), dot("gnd,gdi->gni", xs, w3_GDI), limit) * gate_GN[..., None]
     return dot("gni,gid->gnd", h.astype(policy.compute_dtype), w2_GID).astype(jnp.float32).sum(axis=0)
@@ -204,7 +209,8 @@ def _experts_per_pick(x_ND, weights_Nk, flat, w1_GDI, w3_GDI, w2_GID, *, limit: 
     here = flat < g
     pick = jnp.minimum(flat, g - 1)
     xs = jnp.repeat(x_ND, k, axis=0).astype(policy.compute_dtype)             # [N·k, D], pick-major per token
-    dot = lambda a, w, spec: jnp.einsum(spec, a, jnp.take(w, pick, axis=0).astype(policy.compute_dtype),
+    take = lambda w: w.take(pick) if isinstance(w, weights.Stored) else jnp.take(w, pick, axis=0)
+    dot = lambda a, w, spec: jnp.einsum(spec, a, weights.widen(take(w), policy.compute_dtype),
                                         precision=policy.precision, preferred_element_type=policy.compute_dtype)
     h = swiglu(dot(xs, w1_GDI, "nd,ndi->ni"), dot(xs, w3_GDI, "nd,ndi->ni"), limit) * weights_Nk.reshape(-1)[:, None]
     ys = dot(h.astype(policy.compute_dtype), w2_GID, "ni,nid->nd")
@@ -310,9 +316,9 @@ class SwiGLU(nnx.Module):
 
     def __init__(self, dim: int, inter: int, limit: float, *, policy: Policy, rngs: nnx.Rngs):
         self.limit = limit
-        self.w1 = Dense(dim, inter, ("embed", "mlp"), policy=policy, rngs=rngs)
-        self.w3 = Dense(dim, inter, ("embed", "mlp"), policy=policy, rngs=rngs)
-        self.w2 = Dense(inter, dim, ("mlp", "embed"), policy=policy, rngs=rngs)
+        self.w1 = Dense(dim, inter, ("embed", "mlp"), policy=policy, rngs=rngs, shipped=True)
+        self.w3 = Dense(dim, inter, ("embed", "mlp"), policy=policy, rngs=rngs, shipped=True)
+        self.w2 = Dense(inter, dim, ("mlp", "embed"), policy=policy, rngs=rngs, shipped=True)
 
     def __call__(self, x):
         return self.w2(swiglu(self.w1(x), self.w3(x), self.limit).astype(x.dtype))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from dsv41.errors import ConfigError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+PLAIN = {"float32": "f32", "bfloat16": "bf16"}  # the weight format of plain parameters of each dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,9 @@ class Policy:
     compute_dtype: jnp.dtype
     init_std: float = 0.02  # std of the normal init of weights (`architecture.initializer_range`)
     lowering: Lowering = Lowering()
+    # `dsv41.nn.weights.FORMATS`: "shipped" holds the matrices the release quantises in its formats (the other
+    # parameters in param_dtype); "f32" / "bf16" every parameter as param_dtype.
+    weight_format: str = "f32"
 
     @property
     def precision(self):
@@ -71,7 +75,20 @@ def from_config(cfg, lowering: Lowering | None = None) -> Policy:
         if name not in DTYPES:
             raise ConfigError(f"runtime.{field}", name, f"expected one of {list(DTYPES)}")
         out.append(DTYPES[name])
-    return Policy(*out, init_std=float(cfg.architecture.initializer_range), lowering=lowering or Lowering())
+    return Policy(*out, init_std=float(cfg.architecture.initializer_range), lowering=lowering or Lowering(),
+                  weight_format=weight_format(cfg))
+
+
+def weight_format(cfg) -> str:
+    """The config's weight format (`runtime.weight_format`; unset: the one `runtime.param_dtype` names)."""
+    fmt = cfg.runtime.get("weight_format", "") or PLAIN[cfg.runtime.param_dtype]
+    if fmt not in ("shipped", *PLAIN.values()):
+        raise ConfigError("runtime.weight_format", fmt, "expected one of ['shipped', 'bf16', 'f32']")
+    if fmt != "shipped" and fmt != PLAIN[cfg.runtime.param_dtype]:
+        raise ConfigError("runtime.weight_format", fmt,
+                          f"expected '{PLAIN[cfg.runtime.param_dtype]}' with runtime.param_dtype "
+                          f"{cfg.runtime.param_dtype!r} (or 'shipped'; set runtime.param_dtype for the other)")
+    return fmt
 
 
 FP32 = Policy(jnp.float32, jnp.float32)
