@@ -94,8 +94,24 @@ def _code_values(codes):
     return lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn).astype(jnp.float32)
 
 
-def dequantize(kind: str, values, scales, dtype=jnp.float32):
+def check_held(kind: str, values, scales, what: str = "weight") -> None:
+    """Raises ValueError unless (values, scales) are a `kind` pair: their dtypes and the scales' shape for the
+    values' (naming `what`, the shapes and dtypes found and those expected)."""
+    if kind not in KINDS:
+        raise ValueError(f"{what}: kind {kind!r}: expected one of {KINDS}")
+    for part, x, want in (("values", values, VALUE_DTYPE[kind]), ("scales", scales, SCALE_DTYPE)):
+        if jnp.dtype(x.dtype) != jnp.dtype(want):
+            raise ValueError(f"{what} {part}: dtype {jnp.dtype(x.dtype)}: expected {jnp.dtype(want)} for {kind} weights")
+    logical = (*values.shape[:-2], 2 * values.shape[-2], values.shape[-1]) if kind == MXFP4 else values.shape
+    want = shapes(kind, logical)[1]
+    if tuple(scales.shape) != tuple(want):
+        raise ValueError(f"{what} scales: shape {tuple(scales.shape)}: expected {tuple(want)} for {kind} values of "
+                         f"shape {tuple(values.shape)}")
+
+
+def dequantize(kind: str, values, scales, dtype=jnp.float32, what: str = "weight"):
     """The weight a `kind` (values, scales) pair stores, as `dtype` (exact for float32 and bfloat16)."""
+    check_held(kind, values, scales, what)
     if kind == MXFP4:
         lead, (half, c) = values.shape[:-2], values.shape[-2:]
         codes = jnp.stack([values & 0xF, values >> 4], axis=-2)         # [.., R/2, 2, C]: row 2j low, 2j+1 high
@@ -237,3 +253,19 @@ def widened(state: nnx.State, dtype=jnp.float32) -> nnx.State:
             x = x.astype(jnp.float32)
         out.append((path, var.replace(x)))
     return nnx.from_flat_state(out)
+
+
+def quantized(state: nnx.State, abstract: nnx.State) -> nnx.State:
+    """Plain parameters `state` as the tree `abstract` (the same model under the `shipped` format) holds them:
+    each weight with a scale there quantised (`quantize`), the others cast to its dtype."""
+    plain = dict(nnx.to_flat_state(state))
+    flat = dict(nnx.to_flat_state(abstract))
+    held = {}
+    for path, var in flat.items():
+        if is_scale(path, flat):
+            name = path[-1].removesuffix("_scale")
+            kind = kind_of_scale(path[-1], flat[(*path[:-1], name)].get_value(), None)
+            held[(*path[:-1], name)], held[path] = quantize(kind, plain[(*path[:-1], name)].get_value())
+    return nnx.from_flat_state([
+        (path, var.replace(held[path] if path in held else jnp.asarray(plain[path].get_value(), var.get_value().dtype)))
+        for path, var in flat.items()])
