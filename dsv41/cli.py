@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 from dsv41 import accounting, compile_cache, plan
+from dsv41 import config as config_lib
 from dsv41.config import family, load_config
 
 REPORT_CONFIGS = ("deepseek_v1_67b", "deepseek_v32", "v4_flash", "v41_flash")
@@ -131,7 +132,7 @@ def cmd_generate(args) -> int:
     from dsv41 import progress, tokenizer as tokenizer_lib
     from dsv41.convert import command_params
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, [*args.set, *config_lib.weight_format_overrides(args.weight_format)])
     tok = tokenizer_lib.load_tokenizer(cfg, args.tokenizer)
     if args.prompt_file is not None:
         try:
@@ -295,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], metavar="ID|TEXT",
                    help="stop at this token, given as an id or as text that is one token; not printed "
                         "(repeatable)")
+    config_lib.add_weight_format_argument(p)
     p.add_argument("--weights", metavar="PATH",
                    help="a .safetensors weights file of the config (`dsv41 train --export`, `dsv41 convert`); "
                         "default: the weights shipped with --config (passkey's), else random parameters from --seed")

@@ -3,7 +3,7 @@ CPU machine through libtpu, from abstract parameters and cache (ShapeDtypeStruct
 allocated): per-chip memory vs the chip's HBM, XLA FLOPs per generated token, collective bytes and
 compile time. Engram tables sit in host memory (memory kind pinned_host) and are reported separately.
 
-    dsv41 compile-report --config v41_flash --topology v5p:4x4x4 --batch 64 --context 65536 --weights fp8
+    dsv41 compile-report --config v41_flash --topology v5p:4x4x4 --batch 64 --context 65536 --weight-format shipped
 
 Needs libtpu (`jax.experimental.topologies`); run with JAX_PLATFORMS=cpu so nothing initialises a TPU.
 """
@@ -34,7 +34,7 @@ GIB = 1024 ** 3
 # HBM per chip by jax device_kind (public TPU specs).
 HBM_BYTES = {"TPU v4": 32 * GIB, "TPU v5 lite": 16 * GIB, "TPU v5": 95 * GIB, "TPU v6 lite": 32 * GIB,
              "TPU7x": 192 * GIB}
-WEIGHTS = ("fp8", "bf16")
+WEIGHTS = ("shipped", "bf16")  # `--weight-format`: the release's formats (`dsv41.nn.weights`), or bf16
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                "ragged-all-to-all")
 
@@ -48,27 +48,24 @@ def topology_devices(topology: str):
 
 
 def report_config(cfg, weights: str, kernels: str):
-    """The config as compiled: bf16 storage and compute (the fp8 weights are cast per matmul)."""
+    """The config as compiled: bf16 compute; weights held in the weight format `weights` ("shipped": the release's
+    FP8 / MXFP4 matrices with their scales, dequantised inside each matmul, the other parameters bf16)."""
     if weights not in WEIGHTS:
-        raise ConfigError("weights", weights, f"expected one of {WEIGHTS}")
-    return config_lib.build(cfg.to_dict(), ["runtime.param_dtype=\"bfloat16\"", "runtime.compute_dtype=\"bfloat16\"",
+        raise ConfigError("--weight-format", weights, f"expected one of {WEIGHTS}")
+    return config_lib.build(cfg.to_dict(), [*config_lib.weight_format_overrides(weights),
+                                            "runtime.param_dtype=\"bfloat16\"", "runtime.compute_dtype=\"bfloat16\"",
                                             f"runtime.kernels=\"{kernels}\""])
 
 
-def abstract_inputs(cfg, mesh, rules, *, weights: str, batch: int, seq: int, context: int, engram_host: bool):
+def abstract_inputs(cfg, mesh, rules, *, batch: int, seq: int, context: int, engram_host: bool):
     """ShapeDtypeStructs with shardings for (params, cache, tokens, counts, engram ids) and the params'
-    shardings. fp8: every bf16 matrix except the embedding stored as E4M3 (the released FP8 weights and
-    Engram tables; the 32×32 block scales, 1/1024 of the bytes, are left out)."""
+    shardings, the parameters as the config's weight format holds them (`report_config`)."""
     abstract = model_lib.abstract_params(cfg)
     shardings = sh.param_shardings(cfg, mesh, rules, abstract, engram_host=engram_host)
 
     def place(path, v, s):
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
         x, sharding = v.get_value(), s.get_value()
-        dtype = x.dtype
-        if weights == "fp8" and dtype == jnp.bfloat16 and len(x.shape) >= 2 and name != "embed":
-            dtype = jnp.float8_e4m3fn
-        shape = x.shape
+        dtype, shape = x.dtype, x.shape
         if engram_host and sh.engram_table_index(path) is not None:  # rows padded to the chips' shares
             shape = (sh.engram_table_sharding(mesh, shape[0])[0], *shape[1:])
         return v.replace(jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)), s.replace(sharding)
@@ -129,12 +126,13 @@ def collective_bytes(hlo_text: str) -> dict:
     return {k: {"ops": count[k], "bytes": out[k]} for k in COLLECTIVES if count[k]}
 
 
-_NARROW = ("f8e4m3fn", "f8e5m2", "f4e2m1fn", "s4", "u4")
+_NARROW = ("f8e4m3fn", "f8e5m2", "f4e2m1fn", "s4", "u4", "f8e8m0fnu")  # UE8M0: a held weight's scales
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \((.*)\) -> (.*) \{$")
 
 
 def weight_copies(hlo_text: str, min_bytes: int = 4096) -> dict:
-    """Fusions of the compiled (per-device) HLO that only widen an FP8 / FP4 array into a copy of at least
+    """Fusions of the compiled (per-device) HLO that only widen an FP8 / FP4 array (or a held weight: its UE8M0
+    scales are among the operands, `dsv41.nn.weights`) into a copy of at least
     `min_bytes` (a convert, with slicing and layout changes, and nothing else: no dot, reduction or call): the
     weight copies a matmul that cannot read the narrow format (a custom kernel) makes each time it runs.
     Returns {"ops": call sites, "bytes": their outputs' bytes} (a loop body's once)."""
@@ -184,9 +182,10 @@ def try_compile(lowered):
         return None, str(e).splitlines()[0][:300]
 
 
-def step_program(cfg, mesh, rules, *, weights: str, batch: int, seq: int, context: int, engram_host: bool):
-    """(the jitted step, its abstract arguments) as the report compiles them: `fn.trace(*args).lower()`."""
-    args, pshard = abstract_inputs(cfg, mesh, rules, weights=weights, batch=batch, seq=seq, context=context,
+def step_program(cfg, mesh, rules, *, batch: int, seq: int, context: int, engram_host: bool):
+    """(the jitted step, its abstract arguments) as the report compiles them: `fn.trace(*args).lower()`; the
+    weights as `cfg`'s weight format holds them (`report_config`)."""
+    args, pshard = abstract_inputs(cfg, mesh, rules, batch=batch, seq=seq, context=context,
                                    engram_host=engram_host)
     fn = sh.step_function(cfg, mesh, rules, tokens_shape=(batch, seq), ids_shape=None if args[4] is None else
                           args[4].shape, max_len=context, params_shardings=pshard,
@@ -198,7 +197,7 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
                  breakdown: int = 0) -> dict:
     """AOT-compiles one step (seq = 1: decode; seq > 1: a prefill chunk) and measures it. breakdown: list that
     many of the compiled step's costliest named scopes and instructions (`hlo_cost.breakdown`)."""
-    fn, args = step_program(cfg, mesh, rules, weights=weights, batch=batch, seq=seq, context=context,
+    fn, args = step_program(cfg, mesh, rules, batch=batch, seq=seq, context=context,
                             engram_host=engram_host)
     t0 = time.perf_counter()
     lowered = fn.trace(*args).lower()
@@ -276,10 +275,12 @@ def flop_counting_lowering(cfg, *, batch: int, context: int, weights: str, seq: 
     counting its arithmetic (`jax.stages.Lowered`): the XLA reference path (a Pallas kernel is a custom call XLA
     counts as nothing), the layer stacks, Sinkhorn and the indexer's head loop unrolled and the experts as one
     matmul per pick (XLA's cost analysis counts a loop body once and a ragged_dot as dense over its groups).
-    Lowering takes seconds where a full-size TPU compile takes minutes, so a context sweep is cheap."""
+    Lowering takes seconds where a full-size TPU compile takes minutes, so a context sweep is cheap. The weights
+    are lowered plain (bf16), whatever `weights` (the format the analytic count weighs, `flop_model`): XLA counts
+    a held weight's dequantisation as FLOPs, which are not the model's arithmetic."""
     mesh = sh.make_mesh({}, devices=jax.devices("cpu")[:1])
-    cfg = config_lib.build(cfg.to_dict(), ['runtime.kernels="reference"'])
-    args, pshard = abstract_inputs(cfg, mesh, "serve", weights=weights, batch=batch, seq=seq, context=context,
+    cfg = config_lib.build(cfg.to_dict(), ['runtime.kernels="reference"', *config_lib.weight_format_overrides("bf16")])
+    args, pshard = abstract_inputs(cfg, mesh, "serve", batch=batch, seq=seq, context=context,
                                    engram_host=False)
     fn = sh.step_function(cfg, mesh, "serve", tokens_shape=(batch, seq), ids_shape=None if args[4] is None else
                           args[4].shape, max_len=context, params_shardings=pshard, engram_host=False,
@@ -317,7 +318,7 @@ def context_sweep(cfg, contexts, batch: int, weights: str) -> list[dict]:
     return rows
 
 
-def compile_report(cfg, topology: str, batch: int, context: int, weights: str = "fp8", *, mesh: dict | None = None,
+def compile_report(cfg, topology: str, batch: int, context: int, weights: str = "shipped", *, mesh: dict | None = None,
                    rules="serve", prefill_chunk: int = 0, engram_host: bool = True, kernels: str = "reference",
                    sweep=(), breakdown: int = 0) -> dict:
     """Compiles full-size decode (and a prefill chunk of `prefill_chunk` tokens if > 0) for a TPU topology.
@@ -347,16 +348,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "compile-report", help="AOT-compile full-size decode for a TPU topology: per-chip memory, FLOPs, collectives",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  dsv41 compile-report --topology v5p:2x2x2 --batch 32 --context 1000000 --weights fp8\n"
+        epilog="examples:\n  dsv41 compile-report --topology v5p:2x2x2 --batch 32 --context 1000000 --weight-format shipped\n"
                "  dsv41 compile-report --config v41_flash --topology v5p:4x4x4 --batch 64 --context 65536 "
-               "--weights fp8 --sweep-context 16384,65536")
+               "--weight-format shipped --sweep-context 16384,65536")
     p.add_argument("--config", default="v41_flash", help="config name in configs/ or a path (default v41_flash)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--topology", required=True, help="TPU topology, e.g. v5p:4x4x4, v6e:4x4, v5e:2x4")
     p.add_argument("--batch", type=int, required=True, help="sequences per decode step (a multiple of the mesh)")
     p.add_argument("--context", type=int, required=True,
                    help="cache capacity in tokens (rounded up to a multiple of the compression ratios)")
-    p.add_argument("--weights", choices=WEIGHTS, default="fp8")
+    p.add_argument("--weight-format", choices=WEIGHTS, default="shipped",
+                   help="how the weights are held: 'shipped' (the release's FP8 / MXFP4 with their scales, "
+                        "dequantised in each matmul; default) or 'bf16'")
+    p.add_argument("--weights", choices=("fp8", "bf16"), default=None, help=argparse.SUPPRESS)  # its old name
     p.add_argument("--mesh", default=None, help="axis sizes, e.g. data=4,expert=16 (default: all chips on expert)")
     p.add_argument("--rules", choices=sorted(sh.PRESETS), default="serve")
     p.add_argument("--prefill-chunk", type=int, default=0, help="also compile a prefill chunk of this many tokens")
@@ -379,7 +383,8 @@ def run(args) -> int:
         raise ConfigError("--sweep-context", args.sweep_context, "expected comma-separated integers") from None
     print(f"compiling {cfg.model} decode for {args.topology} (batch {args.batch}, context {args.context}) ...",
           file=sys.stderr, flush=True)
-    r = compile_report(cfg, args.topology, args.batch, args.context, args.weights,
+    weights = {"fp8": "shipped", "bf16": "bf16", None: args.weight_format}[args.weights]
+    r = compile_report(cfg, args.topology, args.batch, args.context, weights,
                        mesh=sh.parse_mesh(args.mesh) if args.mesh else None, rules=args.rules,
                        prefill_chunk=args.prefill_chunk, engram_host=not args.engram_on_device,
                        kernels=args.kernels, sweep=sweep, breakdown=args.breakdown)

@@ -507,3 +507,11 @@ def weight_format_overrides(fmt: str | None) -> list[str]:
     if fmt != "shipped" and fmt not in dtypes:
         raise ConfigError("--weight-format", fmt, "expected one of ['shipped', 'bf16', 'f32']")
     return [f'runtime.weight_format="{fmt}"'] + ([f'runtime.param_dtype="{dtypes[fmt]}"'] if fmt in dtypes else [])
+
+
+def add_weight_format_argument(p) -> None:
+    """`--weight-format` on a command that builds a model (`weight_format_overrides`; default: the config's)."""
+    p.add_argument("--weight-format", choices=("shipped", "bf16", "f32"), default=None,
+                   help="how the weights are held: 'shipped' (the release's FP8 / MXFP4 matrices with their scales, "
+                        "dequantised in each matmul; a plain weights file is quantised to them), 'bf16' or 'f32' "
+                        "(default: the config's runtime.weight_format)")

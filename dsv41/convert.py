@@ -419,7 +419,21 @@ def command_params(cfg, config: str, weights=None, *, seed: int = 0, option: str
             path = None
     if path is None:
         return model_lib.init_params(cfg, jax.random.key(seed)), None
-    return load_params(path, cfg), path
+    return load_held(path, cfg), path
+
+
+def load_held(path, cfg) -> nnx.State:
+    """`load_params`, except that a file of plain weights loads into a config of the `shipped` weight format
+    quantised to the release's formats (`weights.quantized`; said on stderr): the user's --weight-format."""
+    from dsv41 import config as config_lib
+    from dsv41 import model as model_lib
+
+    if weight_format(cfg) != "shipped" or any(k.endswith("_scale") for k in read_safetensors(path)):
+        return load_params(path, cfg)
+    plain = config_lib.build(cfg.to_dict(), config_lib.weight_format_overrides(
+        "f32" if cfg.runtime.param_dtype == "float32" else "bf16"))
+    print(f"{path}: plain weights, quantised to the shipped formats (weight format 'shipped')", file=sys.stderr)
+    return weights_lib.quantized(load_params(path, plain), model_lib.abstract_params(cfg))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -74,11 +74,11 @@ def _stored_weight(parts, width: int) -> float:
     return sum(p.dims * _format_weight(p.dtype) for p in parts) / width
 
 
-WEIGHTS = ("fp8", "bf16")
+WEIGHTS = ("shipped", "bf16")  # the weight formats (`dsv41.nn.weights`) a count is weighted for
 
 
-def _precisions(cfg, weights: str = "fp8") -> dict[str, float]:
-    """Each term's weight for this config. weights: "fp8", the model as released (FP8 dense weights, MXFP4
+def _precisions(cfg, weights: str = "shipped") -> dict[str, float]:
+    """Each term's weight for this config. weights: "shipped", the model as released (FP8 dense weights, MXFP4
     routed experts, and the cache in the formats its official inference stores, `kv_cache.*`), or "bf16" (every
     weight at BF16, as dsv41 runs the small trained models; the cache as configured: with `quant: none` it
     holds the compute dtype, and the attention core and the indexer scores count as BF16)."""
@@ -89,7 +89,7 @@ def _precisions(cfg, weights: str = "fp8") -> dict[str, float]:
     out["indexer.keys"] = FP8 if family(cfg) == schema.V41 else BF16
     if weights == "bf16":
         out = {t: BF16 for t in out}
-    stored = weights == "fp8" or cfg.quant == "qat"
+    stored = weights == "shipped" or cfg.quant == "qat"
     out["attention.window"] = _stored_weight(accounting.window_row_parts(cfg), k) if stored else BF16
     out["attention.entries"] = _stored_weight(accounting.main_entry_parts(cfg), k) if stored else BF16
     out["indexer.scores"] = _format_weight(cfg.kv_cache.index_kv_dtype) if stored else BF16
@@ -196,7 +196,7 @@ def _kind(rec: LayerRecord) -> str:
     return rec.mode if rec.ratio == 0 else f"{rec.mode}/{rec.ratio}"
 
 
-def flops_per_token(cfg, *, context: int, seq: int = 1, weights: str = "fp8") -> dict:
+def flops_per_token(cfg, *, context: int, seq: int = 1, weights: str = "shipped") -> dict:
     """Matmul FLOPs per new token of one step of S = `seq` new tokens per row (1: decode) over a cache of
     `context` tokens, raw and precision-weighted (module docstring; weights: `_precisions`').
 
@@ -237,7 +237,7 @@ def flops_per_token(cfg, *, context: int, seq: int = 1, weights: str = "fp8") ->
             "weighted": sum(v["weighted"] for v in mech.values())}
 
 
-def weighted_sweep(cfg, contexts=SWEEP_CONTEXTS, weights: str = "fp8") -> list[dict]:
+def weighted_sweep(cfg, contexts=SWEEP_CONTEXTS, weights: str = "shipped") -> list[dict]:
     """Decode FLOPs per token by context, raw and precision-weighted, each relative to the first context:
     [{"context", "flops", "weighted", "flops_relative", "weighted_relative"}]."""
     contexts = list(contexts)

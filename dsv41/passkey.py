@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from dsv41 import config as config_lib
 from dsv41 import data as data_lib
 from dsv41.errors import ConfigError
 
@@ -35,10 +36,11 @@ def weights_path():
 def load_trained(overrides=(), path=None):
     """(cfg, params) of the shipped passkey model (`path`: another weights file of the same config)."""
     from dsv41.config import load_config
-    from dsv41.convert import load_params
+
+    from dsv41.convert import load_held
 
     cfg = load_config(CONFIG, overrides)
-    return cfg, load_params(path or weights_path(), cfg)
+    return cfg, load_held(path or weights_path(), cfg)
 
 
 def examples(context: int, depth: float, n: int, seed: int = 0) -> tuple[list[list[int]], list[bytes]]:
@@ -115,6 +117,7 @@ def add_parser(subparsers):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     p.add_argument("--weights", default=None, help="a weights file of configs/passkey.json (default: the shipped one)")
+    config_lib.add_weight_format_argument(p)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. quant=none (no fake-quant, float cache)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -134,7 +137,7 @@ def run(args) -> int:
         from dsv41.convert import weights_file
 
         weights_file("--weights", args.weights)
-    cfg, params = load_trained(args.set, args.weights)
+    cfg, params = load_trained([*args.set, *config_lib.weight_format_overrides(args.weight_format)], args.weights)
     def say(r):  # progress on stderr in both modes (every long job shows it); --json keeps stdout one object
         print(f"  context {r['context']}, depth {r['depth']:g}: {r['accuracy']:.1%} ({r['seconds']:.1f} s; "
               f"e.g. {r['answers'][0]} -> {r['decoded'][0]!r})", file=sys.stderr, flush=True)

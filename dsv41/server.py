@@ -26,6 +26,7 @@ import sys
 import time
 import uuid
 
+from dsv41 import config as config_lib
 from dsv41.chat import ROLES
 from dsv41.engine import ContextLengthError, Event, Request, SamplingParams
 
@@ -402,6 +403,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         epilog="example: dsv41 serve --api-key sk-local   # then an OpenAI client at http://127.0.0.1:8000/v1")
     p.add_argument("--config", default="passkey", help="config name or path (default: the trained passkey model)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    config_lib.add_weight_format_argument(p)
     p.add_argument("--weights", default=None,
                    help="a .safetensors weights file (`dsv41 train --export`, `dsv41 convert`); default: the "
                         "weights shipped with --config (passkey's), else random parameters from --seed")
@@ -469,13 +471,13 @@ def _parse_chunks(text: str) -> tuple[int, ...]:
 
 def build(args):
     """(engine, app) of the parsed `serve` arguments (the engine warmed up, not started)."""
-    from dsv41 import accounting, cache as cache_lib, config as config_lib, schema
+    from dsv41 import accounting, cache as cache_lib, schema
     from dsv41.chat import ChatTemplate, read_tokenizer_config
     from dsv41.convert import command_params
     from dsv41.engine import Engine
     from dsv41.tokenizer import load_tokenizer
 
-    cfg = config_lib.load_config(args.config, args.set)
+    cfg = config_lib.load_config(args.config, [*args.set, *config_lib.weight_format_overrides(args.weight_format)])
     params, weights = command_params(cfg, args.config, args.weights, seed=args.seed)
     if weights is None:
         print(f"no --weights: random parameters (seed {args.seed}); the numbers are real, the text is not",

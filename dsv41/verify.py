@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from dsv41 import accounting, flop_model, passkey, verify_client, verify_report
+from dsv41 import config as config_lib
 from dsv41 import data as data_lib
 from dsv41.config import build, load_config
 from dsv41.errors import ConfigError
@@ -191,7 +192,7 @@ def full_size_flops(contexts, *, config: str = "v41_flash", progress=lambda msg:
     cfg = load_config(config)
     rows = []
     for c in contexts:
-        rows.append({"context": c, **decode_flops(cfg, c, weights="fp8")})
+        rows.append({"context": c, **decode_flops(cfg, c, weights="shipped")})
         progress(f"full size: context {c}: {rows[-1]['raw']:.3e} FLOPs/token")
     for r in rows:
         r["raw_relative"], r["weighted_relative"] = r["raw"] / rows[0]["raw"], r["weighted"] / rows[0]["weighted"]
@@ -531,6 +532,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               epilog="example: dsv41 verify --quick --out verify-quick")
     p.add_argument("--config", default=passkey.CONFIG, help="config name or path (default: passkey, the trained "
                    "model shipped with its weights)")
+    config_lib.add_weight_format_argument(p)
     p.add_argument("--weights", default=None, help="a weights file of the config (default: the shipped one; a config "
                    "without shipped weights runs with random weights)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field "
@@ -592,7 +594,7 @@ def run(args) -> int:
         results = {"model": client["model"], "weights": "served", "machine": f"client of {args.base_url}",
                    "client": client, "doctor": [], "wall_s": time.perf_counter() - t0}
     else:
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(args.config, [*args.set, *config_lib.weight_format_overrides(args.weight_format)])
         if cfg.architecture.family != "v41":
             raise ConfigError("--config", args.config, "a V4.1 config (the variants and the prefix cache are V4.1's)")
         params, weights = _load(cfg, args.config, args.weights)

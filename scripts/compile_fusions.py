@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--topology", default="v5p:2x2x2")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--context", type=int, default=1_000_000)
-    p.add_argument("--weights", default="fp8", choices=("fp8", "bf16"))
+    p.add_argument("--weight-format", default="shipped", choices=("shipped", "bf16"))
     p.add_argument("--top", type=int, default=12, help="computations listed")
     p.add_argument("--stages", action="store_true",
                    help="also print libtpu's compile stages (HLO passes, backend passes, code generation) and the "
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
             p.error(f"--one-chip: batch {batch} and {experts} experts: expected multiples of the {chips} chips")
         overrides.append(f"architecture.moe.num_experts={experts // chips}")
         batch, devices = batch // chips, devices[:1]
-    cfg = cr.report_config(dsv41.load_config(args.config, overrides=overrides), args.weights, "reference")
+    cfg = cr.report_config(dsv41.load_config(args.config, overrides=overrides), args.weight_format, "reference")
     stacks = plan_lib.layer_stacks(cfg)
     if args.stacks:
         chosen = [int(x) for x in args.stacks.split(",")]
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
         only_stacks([stacks[x] for x in chosen])
     stub(parts)
     mesh = sh.make_mesh({"expert": len(devices)}, devices=devices)
-    fn, inputs = cr.step_program(cfg, mesh, "serve", weights=args.weights, batch=batch, seq=args.seq,
+    fn, inputs = cr.step_program(cfg, mesh, "serve", batch=batch, seq=args.seq,
                                  context=args.context, engram_host=True)
     t0 = time.perf_counter()
     lowered = fn.trace(*inputs).lower()

@@ -70,10 +70,10 @@ def _engram_check():
     from dsv41 import config as config_lib
     from test_sharding import small_config
     d = small_config().to_dict()
-    d["architecture"]["engram"] = {"layers": [1], "max_ngram": 3, "heads_per_ngram": 2, "row_dim": 16,
+    d["architecture"]["engram"] = {"layers": [1], "max_ngram": 3, "heads_per_ngram": 2, "row_dim": 32,
                                    "compressed_vocab_size": 256, "prime_floor": 100, "pad_id": 2}
     cfg = config_lib.build(d)
-    r = cr.compile_report(cfg, "v5p:2x2x2", 8, 64, "fp8", breakdown=6)
+    r = cr.compile_report(cfg, "v5p:2x2x2", 8, 64, "shipped", breakdown=6)
     chips = 8
     assert (r["chips"], r["mesh"]) == (chips, {"expert": chips})
     m = r["decode"]["memory_per_chip"]
@@ -87,29 +87,34 @@ def _engram_check():
     # XLA counts every matmul the closed formula does, and the elementwise work beside them.
     a = r["decode"]["analytic_flops_per_token"]
     assert 1.0 <= a["xla_over_analytic"] < 1.5 and a["weighted"] < a["matmul"], a
-    rows = dsv41.engram_hash.EngramLayout.from_config(cr.report_config(cfg, "fp8", "reference")).rows_per_layer[0]
-    # One FP8 table as released (row_dim 16), its prime number of rows padded to a multiple of the chips and
-    # split over them: each chip's host holds 1/8; v5p:2x2x2 is two hosts of 4 chips, so each holds half.
+    rows = dsv41.engram_hash.EngramLayout.from_config(cr.report_config(cfg, "shipped", "reference")).rows_per_layer[0]
+    # One FP8 table as released (row_dim 32 and a UE8M0 scale a row: 33 bytes), its prime number of rows padded
+    # to a multiple of the chips and split over them: each chip's host holds 1/8; v5p:2x2x2 is two hosts of 4
+    # chips, so each holds half.
     padded = -(-rows // chips) * chips
-    assert padded > rows and m["engram_host"] == padded // chips * 16
-    assert m["engram_host_per_host"] == 4 * m["engram_host"] == padded * 16 // 2
+    assert padded > rows and m["engram_host"] == padded // chips * 33
+    assert m["engram_host_per_host"] == 4 * m["engram_host"] == padded * 33 // 2
     assert m["total"] >= m["arguments"] > 0 and m["fits"]
     assert r["decode"]["flops_per_token"] > 0 and r["decode"]["compile_s"] > 0
-    # Experts split over 8 chips: each holds an eighth of the routed experts' fp8 bytes and all of the rest
-    # (fp8: one byte per matrix entry except the bf16 embedding; vectors bf16/fp32 as the model keeps them).
+    # Experts split over 8 chips: each holds an eighth of the routed experts' bytes and all of the rest, in the
+    # release's formats (test_shipped_weights' formula: FP8 R·C + ⌈R/32⌉·⌈C/32⌉ scales, MXFP4 R·C/2 + R/32·C,
+    # the other parameters bf16 / fp32 as the bf16 model keeps them).
     import jax
     import numpy as np
-    a = cfg.architecture
-    # routed w1/w3/w2 and the router gate (fp8) and its balance bias (fp32) all carry the experts axis
-    experts = len(dsv41.layer_plan(cfg)) * a.moe.num_experts * (3 * a.hidden_size * a.moe.intermediate_size
-                                                                + a.hidden_size + 4)
-    whole = 0
-    for path, x in jax.tree_util.tree_leaves_with_path(dsv41.model.abstract_params(cr.report_config(cfg, "fp8", "reference"))):
-        name = jax.tree_util.keystr(path)
+    from test_shipped_weights import FP8, MXFP4
+    plain = cr.report_config(cfg, "bf16", "reference")
+    whole, experts = 0, 0
+    for path, x in jax.tree_util.tree_leaves_with_path(dsv41.model.abstract_params(plain)):
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
         if "engram" in name and "table" in name:
             continue
-        fp8 = x.dtype == np.dtype("bfloat16") and x.ndim >= 2 and "embed'" not in name.split("]")[0]
-        whole += x.size * (1 if fp8 else x.dtype.itemsize)
+        *lead, rows_, cols = x.shape if x.ndim >= 2 else (1, 1, 1)
+        n = math.prod(lead)
+        size = (n * (rows_ * cols + math.ceil(rows_ / 32) * math.ceil(cols / 32)) if FP8.search(name) else
+                n * (rows_ * cols // 2 + rows_ // 32 * cols) if MXFP4.search(name) else x.size * x.dtype.itemsize)
+        whole += size
+        # routed w1/w3/w2, the router gate and its balance bias carry the experts axis
+        experts += size if MXFP4.search(name) or name.endswith("ffn.gate") or name.endswith("ffn.bias") else 0
     assert m["params_on_device"] == whole - experts * (chips - 1) // chips
     assert math.isclose(r["decode"]["flops_per_token"] * 8, r["decode"]["flops_per_chip"] * chips)
 
@@ -144,14 +149,14 @@ def test_decode_with_pallas_kernels_compiles_for_v5p():
 
 def _pallas_check():
     from test_sharding import small_config
-    r = cr.compile_report(small_config(), "v5p:2x2x1", 8, 128, "fp8", kernels="pallas")
+    r = cr.compile_report(small_config(), "v5p:2x2x1", 8, 128, "shipped", kernels="pallas")
     d = r["decode"]
     assert d["memory_per_chip"]["fits"] and d["flops_per_token"] > 0
     # One sparse-attention kernel per traced layer body (the window-only scan, layers 2, 3 and 4) and the
     # indexer scores of the Full layers 2 and 3 and the Reindex layer 4's pool (XLA's ragged-dot kernels,
     # Mosaic custom calls too, are not counted; decode has none, below).
     assert d["pallas_kernels"] == 7, d["pallas_kernels"]
-    # Decode runs the experts dense (few tokens per expert group): no bf16 copy of an FP8 weight, where
+    # Decode runs the experts dense (few tokens per expert group): no bf16 copy of a held weight, where
     # ragged_dot's TPU kernel had 12 here (2 experts x 3 matrices x 2 stacks per chip, 8 KiB each).
     assert d["weight_copies_per_chip"] == {"ops": 0, "bytes": 0}
     assert d["experts"] == {"form": "dense", "group_tokens": 8}    # batch 8, every chip on `expert`
@@ -174,9 +179,10 @@ def test_the_readme_compile_report_block_runs_as_written(tmp_path):
     out = readme.run_bash(readme.block("Compile for TPU (ahead of time, on this machine)"), readme.workdir(tmp_path),
                           timeout=1200)
     assert out.returncode == 0, readme.failure(out)
-    memory = ("arguments 75.00 GiB (params 71.67 GiB, cache 3.33 GiB), temporaries 1.73 GiB, total 76.73 GiB of "
+    memory = ("arguments 45.99 GiB (params 42.66 GiB, cache 3.33 GiB), temporaries 27.10 GiB, total 73.09 GiB of "
               "95.00 GiB HBM — fits")
     text = " ".join((readme.ROOT / "README.md").read_text().split())
-    assert memory in text and "76.73 of 95 GiB per chip" in text and "roofline (1.14×)" in text
+    assert memory in text and "39.67× the roofline with 115 widened copies" in text and "73.09 of 95 GiB per chip" in text
     assert f"per chip: {memory}" in out.stdout, out.stdout
-    assert "1.14× the roofline" in out.stdout, out.stdout
+    assert "39.67× the roofline" in out.stdout and "widened into copies of 4 KiB or more: 115 ops" in out.stdout, \
+        out.stdout

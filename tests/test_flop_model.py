@@ -11,7 +11,7 @@ from dsv41.errors import ConfigError
 def _xla_per_token(cfg, *, context: int, seq: int = 1, batch: int = 1) -> tuple[float, float]:
     """(dot FLOPs, cost-analysis FLOPs) per new token of the step `compile_report.lowered_flops_per_token`
     lowers: one CPU device, the XLA reference path, every layer unrolled, experts one matmul per pick."""
-    lowered = compile_report.flop_counting_lowering(cfg, batch=batch, context=context, weights="fp8", seq=seq)
+    lowered = compile_report.flop_counting_lowering(cfg, batch=batch, context=context, weights="shipped", seq=seq)
     cost = lowered.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     tokens = batch * seq
