@@ -258,6 +258,10 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
         # are Mosaic custom calls too, and not counted)
         "pallas_kernels": sum('custom_call_target="tpu_custom_call"' in line and "pallas_call" in line
                               for line in hlo.splitlines()),
+        # of them, the matmuls of weights held as shipped (`dsv41.kernels.weight_matmul`)
+        "weight_kernels": sum('custom_call_target="tpu_custom_call"' in line and "pallas_call" in line
+                              and ("fp8_block_matmul" in line or "mxfp4_grouped_matmul" in line)
+                              for line in hlo.splitlines()),
         # HBM bytes per chip per step read from the compiled program, every loop body times its trip count
         # (XLA's own cost analysis counts each once); loops whose trip count is computed at run time (the
         # filled-length indexer tiles) are counted once.

@@ -24,11 +24,11 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
-from dsv41.kernels import candidate_pool, indexer_scores, quant_pack, sparse_attention
+from dsv41.kernels import candidate_pool, indexer_scores, quant_pack, sparse_attention, weight_matmul
 
 MODES = ("auto", "pallas", "pallas_interpret", "reference")
 _KERNEL_BACKENDS = ("tpu", "gpu")
-KINDS = ("indexer", "attention", "quant")
+KINDS = ("indexer", "attention", "quant", "weights")
 _GPU_AUTO = ("indexer",)  # the kinds `auto` runs as kernels on a GPU (module doc)
 
 
@@ -52,6 +52,10 @@ def resolve(mode: str, backend: str | None = None, kind: str = "indexer") -> str
     if mode == "pallas" and backend not in _KERNEL_BACKENDS:
         raise ValueError(f"runtime.kernels='pallas' on backend {backend!r}: Pallas kernels compile for "
                          f"{list(_KERNEL_BACKENDS)}; use 'pallas_interpret' or 'reference' (or 'auto')")
+    if mode == "pallas" and kind == "weights" and backend != "tpu":
+        raise ValueError(f"runtime.kernels='pallas' with weights held as shipped on backend {backend!r}: the FP8 and "
+                         "MXFP4 weight kernels are Mosaic (TPU) kernels; use 'auto' or 'reference' (XLA dequantises "
+                         "in the program) or 'pallas_interpret'")
     return mode
 
 
@@ -201,3 +205,20 @@ def pool_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, b
     return _per_device(lambda *a: candidate_pool.pool_top_k(*a, backend=_indexer_body(layout),
                                                             interpret=impl == "pallas_interpret"), *args,
                        layout=layout)
+
+
+def weight_kernels(mode: str, layout=None) -> str:
+    """How the matmuls of weights held as shipped run (`weight_matmul`): 'pallas', 'pallas_interpret', or
+    'reference' (the XLA path: dequantised in the program)."""
+    return resolve(mode, platform(layout), "weights")
+
+
+def fp8_matmul(x_ND, w_bytes_KN, s_bytes, *, out_dtype, mode: str = "auto", layout=None):
+    """x [N, K] @ an FP8 weight held as shipped (E4M3 and UE8M0 bytes, `weight_matmul.fp8_matmul`) by the Pallas
+    kernel per device over the token rows (the weight whole on each), or None where `mode` picks the XLA path."""
+    impl = weight_kernels(mode, layout)
+    if impl == "reference":
+        return None
+    return _per_device(lambda x, w, s: weight_matmul.fp8_matmul(x, w, s, out_dtype=out_dtype,
+                                                                interpret=impl == "pallas_interpret"),
+                       x_ND, w_bytes_KN, s_bytes, layout=layout, replicated=(1, 2))

@@ -157,7 +157,8 @@ def _pallas_check():
     # One sparse-attention kernel per traced layer body (the window-only scan, layers 2, 3 and 4) and the
     # indexer scores of the Full layers 2 and 3 and the Reindex layer 4's pool (XLA's ragged-dot kernels,
     # Mosaic custom calls too, are not counted; decode has none, below).
-    assert d["pallas_kernels"] == 7, d["pallas_kernels"]
+    # Beside them the matmuls of the weights held as shipped (FP8 blocks, MXFP4 experts) run as Pallas kernels.
+    assert d["weight_kernels"] > 0 and d["pallas_kernels"] == 7 + d["weight_kernels"], d
     # Decode runs the experts dense (few tokens per expert group): no bf16 copy of a held weight, where
     # ragged_dot's TPU kernel had 12 here (2 experts x 3 matrices x 2 stacks per chip, 8 KiB each).
     assert d["weight_copies_per_chip"] == {"ops": 0, "bytes": 0}

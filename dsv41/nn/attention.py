@@ -124,6 +124,11 @@ class Attention(nnx.Module):
         b, s = out_BSHK.shape[:2]
         out = apply_rope(out_BSHK, positions_BS, np.asarray(self.inv_freq, np.float32), inverse=True)
         grouped = out.reshape(b, s, self.groups, -1)
+        if self.wo_a_kind == weights.FP8 and self.policy.lowering.weights is None:  # the kernel, group by group
+            ys = [weights.fp8_matmul(grouped[:, :, g], self.wo_a[g], self.wo_a_scale[g], self.policy)
+                  for g in range(self.groups)]
+            if ys[0] is not None:
+                return self.wo_b(jnp.stack(ys, axis=2).reshape(b, s, -1))
         y = jnp.einsum("bsgi,gio->bsgo", grouped.astype(self.policy.compute_dtype),
                        weights.read(self.wo_a[...], None if self.wo_a_scale is None else self.wo_a_scale[...],
                                     self.wo_a_kind, ("o_groups", "o_in", "o_lora"), self.policy),

@@ -181,8 +181,11 @@ def experts(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: float, p
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=g + 1)[:g].astype(jnp.int32)
     xs = x_ND[order // k].astype(policy.compute_dtype)
-    dot = lambda a, w: jax.lax.ragged_dot(a, weights.widen(w, policy.compute_dtype), sizes, precision=policy.precision,
-                                          preferred_element_type=policy.compute_dtype)
+    def dot(a, w):
+        y = weights.mxfp4_ragged_dot(a, w, sizes, policy)   # the Pallas grouped matmul, where it runs
+        return y if y is not None else jax.lax.ragged_dot(a, weights.widen(w, policy.compute_dtype), sizes,
+                                                          precision=policy.precision,
+                                                          preferred_element_type=policy.compute_dtype)
     h = swiglu(dot(xs, w1_GDI), dot(xs, w3_GDI), limit) * weights_Nk.reshape(-1)[order][:, None]
     ys = dot(h.astype(policy.compute_dtype), w2_GID)
     back = jnp.where(flat[order] < g, order, n * k)
@@ -197,8 +200,15 @@ def _experts_dense(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: f
     g = w1_GDI.shape[0]
     gate_GN = jnp.einsum("nk,nkg->gn", weights_Nk.astype(jnp.float32), jax.nn.one_hot(idx_Nk, g, dtype=jnp.float32))
     xs = jnp.broadcast_to(x_ND.astype(policy.compute_dtype), (g, *x_ND.shape))
-    dot = lambda spec, a, w: jnp.einsum(spec, a, weights.widen(w, policy.compute_dtype), precision=policy.precision,
-                                        preferred_element_type=policy.compute_dtype)
+    sizes = jnp.full((g,), x_ND.shape[0], jnp.int32)
+
+    def dot(spec, a, w):
+        y = weights.mxfp4_ragged_dot(a.reshape(-1, a.shape[-1]), w, sizes, policy)  # each expert's block of rows
+        if y is not None:
+            return y.reshape(*a.shape[:-1], -1)
+        return jnp.einsum(spec, a, weights.widen(w, policy.compute_dtype), precision=policy.precision,
+                          preferred_element_type=policy.compute_dtype)
+
     h = swiglu(dot("gnd,gdi->gni", xs, w1_GDI), dot("gnd,gdi->gni", xs, w3_GDI), limit) * gate_GN[..., None]
     return dot("gni,gid->gnd", h.astype(policy.compute_dtype), w2_GID).astype(jnp.float32).sum(axis=0)
 
@@ -297,7 +307,12 @@ def experts_parallel(layout: ExpertLayout, x_ND, weights_Nk, idx_Nk, w1_EDI, w3_
         spec = P(spec_entry(tokens), None)
     up = P(spec_entry(layout.expert_axes), None, spec_entry(layout.tensor_axes))
     down = P(spec_entry(layout.expert_axes), spec_entry(layout.tensor_axes), None)
-    y = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, up, up, down), out_specs=spec)(
+    # A Pallas kernel inside (the MXFP4 grouped matmul) has no varying-axes rule: checked only without one (the
+    # kernels run in inference, never under a gradient).
+    kernels = (isinstance(w1_EDI, weights.Stored)
+               and dispatch.weight_kernels(policy.kernels, policy.lowering.layout) != "reference")
+    y = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, up, up, down), out_specs=spec,
+                      check_vma=not kernels)(
         *operands, w1_EDI, w3_EDI, w2_EID)
     return y.reshape(-1, y.shape[-1])[:n]
 

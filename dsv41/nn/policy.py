@@ -53,6 +53,9 @@ class Policy:
     # `dsv41.nn.weights.FORMATS`: "shipped" holds the matrices the release quantises in its formats (the other
     # parameters in param_dtype); "f32" / "bf16" every parameter as param_dtype.
     weight_format: str = "f32"
+    # `runtime.kernels` (`dsv41.kernels.dispatch`): the matmuls of weights held as shipped run the Pallas
+    # weight kernels where it picks them, else the XLA path dequantises in the program.
+    kernels: str = "reference"
 
     @property
     def precision(self):
@@ -76,7 +79,7 @@ def from_config(cfg, lowering: Lowering | None = None) -> Policy:
             raise ConfigError(f"runtime.{field}", name, f"expected one of {list(DTYPES)}")
         out.append(DTYPES[name])
     return Policy(*out, init_std=float(cfg.architecture.initializer_range), lowering=lowering or Lowering(),
-                  weight_format=weight_format(cfg))
+                  weight_format=weight_format(cfg), kernels=cfg.runtime.kernels)
 
 
 def weight_format(cfg) -> str:

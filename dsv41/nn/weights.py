@@ -269,3 +269,34 @@ def quantized(state: nnx.State, abstract: nnx.State) -> nnx.State:
     return nnx.from_flat_state([
         (path, var.replace(held[path] if path in held else jnp.asarray(plain[path].get_value(), var.get_value().dtype)))
         for path, var in flat.items()])
+
+
+def _bytes(a):
+    return lax.bitcast_convert_type(a, jnp.uint8)
+
+
+def fp8_matmul(x, values, scales, policy):
+    """x [..., K] @ an FP8 weight (values [K, N], scales) in the compute dtype by the Pallas kernel where
+    `policy.kernels` picks it (`dispatch.fp8_matmul`: dequantised in VMEM), else None (the caller's XLA path)."""
+    from dsv41.kernels import dispatch
+
+    check_held(FP8, values, scales)
+    lead = x.shape[:-1]
+    y = dispatch.fp8_matmul(x.reshape(-1, x.shape[-1]).astype(policy.compute_dtype), _bytes(values), _bytes(scales),
+                            out_dtype=policy.compute_dtype, mode=policy.kernels, layout=policy.lowering.layout)
+    return None if y is None else y.reshape(*lead, -1)
+
+
+def mxfp4_ragged_dot(x, w: "Stored", sizes, policy):
+    """`lax.ragged_dot(x, w, sizes)` for routed experts held as MXFP4, by the Pallas grouped matmul where
+    `policy.kernels` picks it (per device: the caller runs inside the experts' shard_map), else None."""
+    from dsv41.kernels import dispatch, weight_matmul
+
+    impl = dispatch.weight_kernels(policy.kernels, policy.lowering.layout)
+    if impl == "reference" or not isinstance(w, Stored) or w.kind != MXFP4:
+        return None
+    check_held(MXFP4, w.values, w.scales, "routed experts")
+    g = w.values.shape[0]
+    bm = 16 if x.shape[0] <= 16 * g else 128          # few rows a group (decode): short row tiles, little padding
+    return weight_matmul.mxfp4_gmm(x.astype(policy.compute_dtype), w.values, _bytes(w.scales), sizes, bm=bm,
+                                   out_dtype=policy.compute_dtype, interpret=impl == "pallas_interpret")
