@@ -352,7 +352,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "compile-report", help="AOT-compile full-size decode for a TPU topology: per-chip memory, FLOPs, collectives",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  dsv41 compile-report --topology v5p:2x2x2 --batch 32 --context 1000000 --weight-format shipped\n"
+        epilog="examples:\n  dsv41 compile-report --topology v5p:2x2x2 --batch 32 --context 1000000 --weight-format shipped "
+               "--kernels pallas\n"
                "  dsv41 compile-report --config v41_flash --topology v5p:4x4x4 --batch 64 --context 65536 "
                "--weight-format shipped --sweep-context 16384,65536")
     p.add_argument("--config", default="v41_flash", help="config name in configs/ or a path (default v41_flash)")
