@@ -177,9 +177,20 @@ def trainable(tc: TrainConfig, params: nnx.State) -> tuple[nnx.State, nnx.State]
             nnx.from_flat_state([(p, v) for p, v in flat if hit(p)]))
 
 
+def check_trainable_format(cfg) -> None:
+    """Training keeps master weights in float32 or bfloat16: a config of the `shipped` weight format is refused
+    (a shipped checkpoint loads into the master dtype dequantised: `convert.load_params` with an f32/bf16 config)."""
+    from dsv41.nn.policy import weight_format
+    if weight_format(cfg) == "shipped":
+        raise ConfigError("runtime.weight_format", "shipped",
+                          "expected 'f32' or 'bf16' for training (the master weights; a shipped checkpoint loads "
+                          "into them dequantised, --init-from)")
+
+
 def init_state(cfg, tc: TrainConfig, key: jax.Array, variables: nnx.State | None = None) -> TrainState:
     """A fresh TrainState at step 0 with zero optimiser moments (for the `trainable` parameters), from
     `variables` (e.g. `load_params`, for continued training) or else `init_params(cfg, key)`."""
+    check_trainable_format(cfg)
     params, buffers = split_variables(model_lib.init_params(cfg, key) if variables is None else variables)
     return _committed(TrainState(params, optimizer(tc).init(trainable(tc, params)[0]), jnp.zeros((), jnp.int32),
                                  buffers))

@@ -172,3 +172,19 @@ def test_weight_format_config_errors_name_the_field():
     assert "runtime.param_dtype 'float32'" in str(e.value), str(e.value)
     assert config_lib.weight_format_overrides("bf16") == ['runtime.weight_format="bf16"',
                                                            'runtime.param_dtype="bfloat16"']
+
+
+def test_training_refuses_the_shipped_format_and_loads_a_shipped_file_dequantised(tmp_path):
+    """Training's master weights are plain: a shipped config is refused by name; a shipped file loads into the
+    plain config dequantised, equal to `weights.widened`."""
+    from dsv41 import train
+    cfg = load_config("tiny", SHIPPED)
+    with pytest.raises(ConfigError) as e:
+        train.init_state(cfg, train.TrainConfig(), jax.random.key(0))
+    assert "runtime.weight_format" in str(e.value) and "'f32' or 'bf16' for training" in str(e.value)
+    params = model.init_params(cfg, jax.random.key(1))
+    convert.save_params(params, cfg, tmp_path / "shipped.safetensors")
+    plain = convert.load_params(tmp_path / "shipped.safetensors", load_config("tiny", PLAIN))
+    want = dict(nnx.to_flat_state(weights.widened(params)))
+    for path, var in nnx.to_flat_state(plain):
+        np.testing.assert_array_equal(np.asarray(var.get_value()), np.asarray(want[path].get_value()), err_msg=str(path))
