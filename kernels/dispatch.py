@@ -19,72 +19,8 @@ on a GPU, so `auto` keeps the reference for them there; `pallas` runs them.
 
 from __future__ import annotations
 
-import math
-
-import jax
-from jax.sharding import PartitionSpec as P
-
-from dsv41.kernels import candidate_pool, indexer_scores, quant_pack, sparse_attention, weight_matmul
-
-MODES = ("auto", "pallas", "pallas_interpret", "reference")
-_KERNEL_BACKENDS = ("tpu", "gpu")
-KINDS = ("indexer", "attention", "quant", "weights")
-_GPU_AUTO = ("indexer",)  # the kinds `auto` runs as kernels on a GPU (module doc)
-
-
-def platform(layout=None) -> str:
-    """The platform a step is compiled for: the devices of its layout's mesh (`moe.ExpertLayout`; an
-    ahead-of-time compile for a TPU topology runs on a CPU machine), else JAX's default backend."""
-    return layout.mesh.devices.flat[0].platform if layout is not None else jax.default_backend()
-
-
-def resolve(mode: str, backend: str | None = None, kind: str = "indexer") -> str:
-    """The implementation `mode` selects on `backend` (default: `platform()`) for a kernel of `kind` (one of
-    `KINDS`): 'pallas', 'pallas_interpret' or 'reference'."""
-    if mode not in MODES:
-        raise ValueError(f"runtime.kernels={mode!r}: expected one of {list(MODES)}")
-    if kind not in KINDS:
-        raise ValueError(f"kind={kind!r}: expected one of {list(KINDS)}")
-    backend = backend or platform()
-    if mode == "auto":
-        on = backend == "tpu" or (backend == "gpu" and kind in _GPU_AUTO)
-        return "pallas" if on else "reference"
-    if mode == "pallas" and backend not in _KERNEL_BACKENDS:
-        raise ValueError(f"runtime.kernels='pallas' on backend {backend!r}: Pallas kernels compile for "
-                         f"{list(_KERNEL_BACKENDS)}; use 'pallas_interpret' or 'reference' (or 'auto')")
-    if mode == "pallas" and kind == "weights" and backend != "tpu":
-        raise ValueError(f"runtime.kernels='pallas' with weights held as shipped on backend {backend!r}: the FP8 and "
-                         "MXFP4 weight kernels are Mosaic (TPU) kernels; use 'auto' or 'reference' (XLA dequantises "
-                         "in the program) or 'pallas_interpret'")
-    return mode
-
-
-def _per_device(fn, *args, layout=None, replicated: tuple[int, ...] = ()):
-    """fn(*args), run per device over the batch rows when the step is built for a mesh.
-
-    XLA cannot partition a Pallas kernel, so on a multi-device mesh (the layout `dsv41.sharding` builds the
-    model with, `Policy.lowering.layout`) the kernel runs inside `jax.shard_map`: every argument is split over
-    the layout's token axes on its leading (batch) axis, except those at the positions in `replicated` (a
-    per-head sink); non-array arguments (ratios, k) are closed over. The rows are independent, so this is
-    the same computation."""
-    if layout is None or layout.mesh.size == 1 or not layout.token_axes:
-        return fn(*args)
-    axes = layout.token_axes
-    rows = math.prod(layout.mesh.shape[a] for a in axes)
-    if args[0].shape[0] % rows:
-        raise ValueError(f"batch: {args[0].shape[0]} rows: expected a multiple of the {rows} devices of the mesh "
-                         f"axes {axes} that the kernels run over")
-    arrays = [i for i, a in enumerate(args) if isinstance(a, jax.Array) or hasattr(a, "shape")]
-
-    def body(*xs):
-        full = list(args)
-        for i, x in zip(arrays, xs):
-            full[i] = x
-        return fn(*full)
-
-    specs = tuple(P() if i in replicated else P(axes) for i in arrays)
-    return jax.shard_map(body, mesh=layout.mesh, in_specs=specs, out_specs=P(axes), check_vma=False)(
-        *(args[i] for i in arrays))
+from dsv41.kernels import candidate_pool, indexer_scores, quant_pack, sparse_attention
+from dsv41.kernels.modes import KERNEL_BACKENDS, KINDS, MODES, per_device, platform, resolve  # noqa: F401 (KINDS, MODES)
 
 
 def _triton_can_take(h: int, k: int, block_keys: int | None) -> bool:
@@ -110,7 +46,7 @@ def sparse_decode_attention(q_BHK, window_values_BWK, window_scales_BWX, window_
     impl = resolve(mode, platform(layout), "attention")
     if _attention_reference(impl, q_BHK, block_keys, layout):
         return sparse_attention.sparse_decode_attention_reference(*args)
-    return _per_device(lambda *a: sparse_attention.sparse_decode_attention(
+    return per_device(lambda *a: sparse_attention.sparse_decode_attention(
         *a, block_keys=block_keys, interpret=impl == "pallas_interpret", backend=platform(layout)), *args, layout=layout,
         replicated=(7,))
 
@@ -124,7 +60,7 @@ def sparse_attention_chunk(q_BSHK, window_values_BTK, window_scales_BTX, window_
     impl = resolve(mode, platform(layout), "attention")
     if _attention_reference(impl, q_BSHK, block_keys, layout):
         return sparse_attention.sparse_attention_reference(*args)
-    return _per_device(lambda *a: sparse_attention.sparse_attention(
+    return per_device(lambda *a: sparse_attention.sparse_attention(
         *a, block_keys=block_keys, interpret=impl == "pallas_interpret", backend=platform(layout)), *args, layout=layout,
         replicated=(7,))
 
@@ -140,7 +76,7 @@ def sparse_attention_train(q_BSHK, window_BTK, window_ok_BST, entries_BNK, entry
                                                                  picks_BSk, sink_H, scale)
 
     def kernel(*args):
-        return _per_device(lambda *a: sparse_attention.sparse_attention(
+        return per_device(lambda *a: sparse_attention.sparse_attention(
             *a, block_keys=block_keys, interpret=impl == "pallas_interpret", backend=platform(layout)), *args,
             layout=layout, replicated=(7,))
 
@@ -167,7 +103,7 @@ def unpack_dequantize(values, scales, fmt: str, *, mode: str = "auto"):
 def _indexer_body(layout) -> str:
     """The indexer kernels' body: the backend's own, and the Mosaic (TPU) body in interpret mode on CPU."""
     backend = platform(layout)
-    return backend if backend in _KERNEL_BACKENDS else "tpu"
+    return backend if backend in KERNEL_BACKENDS else "tpu"
 
 
 def indexer_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio: int, k: int, *,
@@ -177,7 +113,7 @@ def indexer_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS,
     impl = resolve(mode, platform(layout))
     if impl == "reference":
         return indexer_scores.indexer_top_k_reference(*args)
-    return _per_device(lambda *a: indexer_scores.indexer_top_k(*a, backend=_indexer_body(layout),
+    return per_device(lambda *a: indexer_scores.indexer_top_k(*a, backend=_indexer_body(layout),
                                                                interpret=impl == "pallas_interpret"), *args,
                        layout=layout)
 
@@ -190,7 +126,7 @@ def scores_and_pool(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_B
     impl = resolve(mode, platform(layout))
     if impl == "reference":
         return candidate_pool.scores_and_pool_reference(*args, **kw)
-    return _per_device(lambda *a: candidate_pool.scores_and_pool(*a, **kw, backend=_indexer_body(layout),
+    return per_device(lambda *a: candidate_pool.scores_and_pool(*a, **kw, backend=_indexer_body(layout),
                                                                  interpret=impl == "pallas_interpret"), *args,
                        layout=layout)
 
@@ -202,23 +138,6 @@ def pool_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, b
     impl = resolve(mode, platform(layout))
     if impl == "reference":
         return candidate_pool.pool_top_k_reference(*args)
-    return _per_device(lambda *a: candidate_pool.pool_top_k(*a, backend=_indexer_body(layout),
+    return per_device(lambda *a: candidate_pool.pool_top_k(*a, backend=_indexer_body(layout),
                                                             interpret=impl == "pallas_interpret"), *args,
                        layout=layout)
-
-
-def weight_kernels(mode: str, layout=None) -> str:
-    """How the matmuls of weights held as shipped run (`weight_matmul`): 'pallas', 'pallas_interpret', or
-    'reference' (the XLA path: dequantised in the program)."""
-    return resolve(mode, platform(layout), "weights")
-
-
-def fp8_matmul(x_ND, w_bytes_KN, s_bytes, *, out_dtype, mode: str = "auto", layout=None):
-    """x [N, K] @ an FP8 weight held as shipped (E4M3 and UE8M0 bytes, `weight_matmul.fp8_matmul`) by the Pallas
-    kernel per device over the token rows (the weight whole on each), or None where `mode` picks the XLA path."""
-    impl = weight_kernels(mode, layout)
-    if impl == "reference":
-        return None
-    return _per_device(lambda x, w, s: weight_matmul.fp8_matmul(x, w, s, out_dtype=out_dtype,
-                                                                interpret=impl == "pallas_interpret"),
-                       x_ND, w_bytes_KN, s_bytes, layout=layout, replicated=(1, 2))

@@ -160,7 +160,7 @@ def over_query_blocks(fn, block: int, *arrays, pads, remat: bool = True, sequenc
     nb = total // (block * lanes)  # scan steps (blocks per lane)
     body = jax.checkpoint(fn, prevent_cse=False) if remat else fn
     if lanes > 1:
-        # The lanes live on the sequence axes: a kernel's shard_map inside the body (`dispatch._per_device`) then
+        # The lanes live on the sequence axes: a kernel's shard_map inside the body (`modes.per_device`) then
         # runs each lane's block on the devices that hold it.
         body = jax.vmap(body, in_axes=(0,) + (1,) * len(arrays), out_axes=1, spmd_axis_name=sequence.seq_axes)
 

@@ -310,7 +310,7 @@ def experts_parallel(layout: ExpertLayout, x_ND, weights_Nk, idx_Nk, w1_EDI, w3_
     # A Pallas kernel inside (the MXFP4 grouped matmul) has no varying-axes rule: checked only without one (the
     # kernels run in inference, never under a gradient).
     kernels = (isinstance(w1_EDI, weights.Stored)
-               and dispatch.weight_kernels(policy.kernels, policy.lowering.layout) != "reference")
+               and weights.kernel_impl(policy) != "reference")
     y = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, up, up, down), out_specs=spec,
                       check_vma=not kernels)(
         *operands, w1_EDI, w3_EDI, w2_EID)

@@ -38,6 +38,7 @@ from jax import lax
 
 from dsv41 import quant
 from dsv41.errors import ConfigError
+from dsv41.kernels import modes, weight_matmul
 
 FORMATS = ("shipped", "bf16", "f32")
 FP8, MXFP4, ROWS = "fp8", "mxfp4", "rows"
@@ -275,24 +276,33 @@ def _bytes(a):
     return lax.bitcast_convert_type(a, jnp.uint8)
 
 
+def kernel_impl(policy) -> str:
+    """How the matmuls of weights held as shipped run under `policy` (`kernels.weight_matmul`): 'pallas',
+    'pallas_interpret', or 'reference' (the XLA path: dequantised in the program)."""
+    return modes.resolve(policy.kernels, modes.platform(policy.lowering.layout), "weights")
+
+
 def fp8_matmul(x, values, scales, policy):
     """x [..., K] @ an FP8 weight (values [K, N], scales) in the compute dtype by the Pallas kernel where
-    `policy.kernels` picks it (`dispatch.fp8_matmul`: dequantised in VMEM), else None (the caller's XLA path)."""
-    from dsv41.kernels import dispatch
-
+    `policy.kernels` picks it (dequantised in VMEM; per device over the token rows, the weight whole on each),
+    else None (the caller's XLA path)."""
+    impl = kernel_impl(policy)
+    if impl == "reference":
+        return None
     check_held(FP8, values, scales)
     lead = x.shape[:-1]
-    y = dispatch.fp8_matmul(x.reshape(-1, x.shape[-1]).astype(policy.compute_dtype), _bytes(values), _bytes(scales),
-                            out_dtype=policy.compute_dtype, mode=policy.kernels, layout=policy.lowering.layout)
-    return None if y is None else y.reshape(*lead, -1)
+    dtype = policy.compute_dtype
+    y = modes.per_device(
+        lambda a, w, s: weight_matmul.fp8_matmul(a, w, s, out_dtype=dtype, interpret=impl == "pallas_interpret"),
+        x.reshape(-1, x.shape[-1]).astype(dtype), _bytes(values), _bytes(scales), layout=policy.lowering.layout,
+        replicated=(1, 2))
+    return y.reshape(*lead, -1)
 
 
 def mxfp4_ragged_dot(x, w: "Stored", sizes, policy):
     """`lax.ragged_dot(x, w, sizes)` for routed experts held as MXFP4, by the Pallas grouped matmul where
     `policy.kernels` picks it (per device: the caller runs inside the experts' shard_map), else None."""
-    from dsv41.kernels import dispatch, weight_matmul
-
-    impl = dispatch.weight_kernels(policy.kernels, policy.lowering.layout)
+    impl = kernel_impl(policy)
     if impl == "reference" or not isinstance(w, Stored) or w.kind != MXFP4:
         return None
     check_held(MXFP4, w.values, w.scales, "routed experts")
