@@ -35,6 +35,7 @@ GIB = 1024 ** 3
 HBM_BYTES = {"TPU v4": 32 * GIB, "TPU v5 lite": 16 * GIB, "TPU v5": 95 * GIB, "TPU v6 lite": 32 * GIB,
              "TPU7x": 192 * GIB}
 WEIGHTS = ("shipped", "bf16")  # `--weight-format`: the release's formats (`dsv41.nn.weights`), or bf16
+WEIGHT_KERNELS = ("fp8_block_matmul", "mxfp4_grouped_matmul", "mxfp4_batched_matmul")  # `kernels.weight_matmul`
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
                "ragged-all-to-all")
 
@@ -260,7 +261,7 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
                               for line in hlo.splitlines()),
         # of them, the matmuls of weights held as shipped (`dsv41.kernels.weight_matmul`)
         "weight_kernels": sum('custom_call_target="tpu_custom_call"' in line and "pallas_call" in line
-                              and ("fp8_block_matmul" in line or "mxfp4_grouped_matmul" in line)
+                              and any(name in line for name in WEIGHT_KERNELS)
                               for line in hlo.splitlines()),
         # HBM bytes per chip per step read from the compiled program, every loop body times its trip count
         # (XLA's own cost analysis counts each once); loops whose trip count is computed at run time (the

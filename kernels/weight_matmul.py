@@ -1,10 +1,12 @@
 """Pallas matmuls that read weights held as shipped (`dsv41.nn.weights`, DESIGN §2, §8, §9) and dequantise
-each tile in VMEM: a block-scaled FP8 matmul and an MXFP4 grouped matmul for the routed experts.
+each tile in VMEM: a block-scaled FP8 matmul, and for the routed experts an MXFP4 grouped matmul (prefill's
+ragged groups) and an MXFP4 batched matmul (decode's dense form: every held expert over the step's few tokens).
 
 | kernel        | x                 | weight bytes                          | UE8M0 scale bytes        | out      |
 |---------------|-------------------|---------------------------------------|--------------------------|----------|
 | `fp8_matmul`  | [M, K]            | E4M3 uint8 [K, N]                     | [⌈K/32⌉, ⌈N/32⌉]         | [M, N]   |
 | `mxfp4_gmm`   | [M, K], rows sorted by group | E2M1 pairs uint8 [G, K/2, N] (inputs 2j low nibble, 2j+1 high) | [G, K/32, N] | [M, N] |
+| `mxfp4_bmm`   | [1 or G, M, K]    | as `mxfp4_gmm`                        | [G, K/32, N]             | [G, M, N] |
 
 Each grid step decodes its weight tile from integer bit operations (`quant_pack.decode_e4m3` / `decode_e2m1`, as
 the cache kernels do: no float8 / float4 dtype in the kernel), multiplies it by its scales (spread over the block
@@ -307,3 +309,91 @@ def mxfp4_gmm_reference(x, p_bytes, s_bytes, group_sizes, *, bm: int = 128, bk2:
         rows.append(jnp.concatenate(cols, axis=1))
     out = jnp.concatenate(rows + [jnp.zeros((xe.shape[0] - len(rows) * bm, p.shape[2]), out_dtype)], axis=0)
     return jnp.take(out, dest, axis=0, mode="fill", fill_value=0)[:, :n]
+
+
+def _bmm_layout(x, p, s, bk2, bn):
+    """Checks, tiles and operands of `mxfp4_bmm` / its reference: x's columns split into even and odd inputs."""
+    (gx, m, k), (g, k2, n) = x.shape, p.shape
+    _check("weight", p, jnp.uint8)
+    _check("scales", s, jnp.uint8)
+    if 2 * k2 != k or k % BLOCK or s.shape != (g, k // BLOCK, n):
+        raise ValueError(f"weight {p.shape}, scales {s.shape}: expected [G, {k // 2}, N] and [G, {k // BLOCK}, N] for "
+                         f"x {x.shape} (E2M1 pairs with a UE8M0 byte per 32 inputs)")
+    if gx not in (1, g):
+        raise ValueError(f"x {x.shape}: expected [1, M, K] (the same rows for every expert) or [{g}, M, K]")
+    if bk2 % 512 or bn % 128:
+        raise ValueError(f"tiles ({bk2}, {bn}): expected packed K of 512 (32 scale rows: Mosaic's 8-bit tiles) and "
+                         "columns of 128")
+    bk2, bn = _divisor_tile(k2, bk2, 512), _divisor_tile(n, bn, 128)
+    return x[..., 0::2], x[..., 1::2], (bk2, bn)
+
+
+def _bmm_kernel(xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref):
+    k = pl.program_id(2)
+    bk2 = p_ref.shape[1]
+
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    at = pl.ds(pl.multiple_of(k * bk2, bk2), bk2)
+    xe, xo = xe_ref[0, :, at], xo_ref[0, :, at]
+    even, odd = _mxfp4_tiles(p_ref[0], s_ref[0], xe.dtype)
+    pr = _precision(xe.dtype)
+    acc_ref[...] += (jnp.dot(xe, even, preferred_element_type=jnp.float32, precision=pr)
+                     + jnp.dot(xo, odd, preferred_element_type=jnp.float32, precision=pr))
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _():
+        o_ref[0] = acc_ref[...].astype(o_ref.dtype)
+
+
+def mxfp4_bmm(x, p_bytes, s_bytes, *, bk2: int = 512, bn: int = 1024, out_dtype=jnp.float32,
+              interpret: bool = False):
+    """Every expert over a few rows (a decode step's dense experts): x [1, M, K] (the same rows for every expert)
+    or [G, M, K] (each expert's own) times the MXFP4 weights [G, K/2, N] (scales [G, K/32, N]) -> [G, M, N].
+
+    Each expert's weight is read once and its rows once (held whole in VMEM across its column and K tiles; x
+    shared by all experts is read once in all), so the step moves the weight bytes and little else."""
+    xe, xo, (bk2, bn) = _bmm_layout(x, p_bytes, s_bytes, bk2, bn)
+    (gx, m, kh), (g, _, n) = xe.shape, p_bytes.shape
+    nk, nn = kh // bk2, n // bn
+    rows = (lambda e, j, k: (0, 0, 0)) if gx == 1 else (lambda e, j, k: (e, 0, 0))
+    weight = lambda e, j, k: (e, k, j)
+    itemsize = jnp.dtype(xe.dtype).itemsize
+    return pl.pallas_call(
+        _bmm_kernel,
+        out_shape=jax.ShapeDtypeStruct((g, m, n), out_dtype),
+        grid=(g, nn, nk),
+        in_specs=[pl.BlockSpec((1, m, kh), rows), pl.BlockSpec((1, m, kh), rows),
+                  pl.BlockSpec((1, bk2, bn), weight), pl.BlockSpec((1, bk2 // (BLOCK // 2), bn), weight)],
+        out_specs=pl.BlockSpec((1, m, bn), lambda e, j, k: (e, 0, j)),
+        scratch_shapes=[_vmem((m, bn))],
+        interpret=interpret,
+        compiler_params=None if interpret else _params(),
+        cost_estimate=pl.CostEstimate(flops=4 * g * m * kh * n, transcendentals=0,
+                                      bytes_accessed=2 * xe.size * itemsize + p_bytes.size + s_bytes.size
+                                      + g * m * n * jnp.dtype(out_dtype).itemsize),
+        name="mxfp4_batched_matmul",
+    )(xe, xo, p_bytes, s_bytes)
+
+
+def mxfp4_bmm_reference(x, p_bytes, s_bytes, *, bk2: int = 512, bn: int = 1024, out_dtype=jnp.float32):
+    """`mxfp4_bmm` in plain JAX: the same tiles decoded the same way and summed in the same order."""
+    xe, xo, (bk2, bn) = _bmm_layout(x, p_bytes, s_bytes, bk2, bn)
+    g, n = p_bytes.shape[0], p_bytes.shape[2]
+    pr = _precision(xe.dtype)
+    out = []
+    for e in range(g):
+        a, b = xe[0 if xe.shape[0] == 1 else e], xo[0 if xo.shape[0] == 1 else e]
+        cols = []
+        for j in range(0, n, bn):
+            acc = jnp.zeros((a.shape[0], bn), jnp.float32)
+            for k in range(0, a.shape[1], bk2):
+                even, odd = _mxfp4_tiles(p_bytes[e, k:k + bk2, j:j + bn],
+                                         s_bytes[e, k // (BLOCK // 2):(k + bk2) // (BLOCK // 2), j:j + bn], a.dtype)
+                acc = acc + (jnp.dot(a[:, k:k + bk2], even, preferred_element_type=jnp.float32, precision=pr)
+                             + jnp.dot(b[:, k:k + bk2], odd, preferred_element_type=jnp.float32, precision=pr))
+            cols.append(acc.astype(out_dtype))
+        out.append(jnp.concatenate(cols, axis=1))
+    return jnp.stack(out)

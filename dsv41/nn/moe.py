@@ -199,16 +199,16 @@ def _experts_dense(x_ND, weights_Nk, idx_Nk, w1_GDI, w3_GDI, w2_GID, *, limit: f
     elsewhere, idx == G, weighs nothing). Batched over the experts, so each weight is read as stored."""
     g = w1_GDI.shape[0]
     gate_GN = jnp.einsum("nk,nkg->gn", weights_Nk.astype(jnp.float32), jax.nn.one_hot(idx_Nk, g, dtype=jnp.float32))
-    xs = jnp.broadcast_to(x_ND.astype(policy.compute_dtype), (g, *x_ND.shape))
-    sizes = jnp.full((g,), x_ND.shape[0], jnp.int32)
 
     def dot(spec, a, w):
-        y = weights.mxfp4_ragged_dot(a.reshape(-1, a.shape[-1]), w, sizes, policy)  # each expert's block of rows
+        y = weights.mxfp4_bmm(a, w, policy)  # the Pallas batched matmul: each expert's weight read once
         if y is not None:
-            return y.reshape(*a.shape[:-1], -1)
+            return y
+        a = jnp.broadcast_to(a, (g, *a.shape[1:]))
         return jnp.einsum(spec, a, weights.widen(w, policy.compute_dtype), precision=policy.precision,
                           preferred_element_type=policy.compute_dtype)
 
+    xs = x_ND.astype(policy.compute_dtype)[None]                       # [1, N, D]: the same rows for every expert
     h = swiglu(dot("gnd,gdi->gni", xs, w1_GDI), dot("gnd,gdi->gni", xs, w3_GDI), limit) * gate_GN[..., None]
     return dot("gni,gid->gnd", h.astype(policy.compute_dtype), w2_GID).astype(jnp.float32).sum(axis=0)
 

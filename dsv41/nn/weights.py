@@ -310,3 +310,15 @@ def mxfp4_ragged_dot(x, w: "Stored", sizes, policy):
     bm = 16 if x.shape[0] <= 16 * g else 128          # few rows a group (decode): short row tiles, little padding
     return weight_matmul.mxfp4_gmm(x.astype(policy.compute_dtype), w.values, _bytes(w.scales), sizes, bm=bm,
                                    out_dtype=policy.compute_dtype, interpret=impl == "pallas_interpret")
+
+
+def mxfp4_bmm(x, w: "Stored", policy):
+    """x [1 or G, M, K] (the same rows for every expert, or each expert's own) @ the routed experts' MXFP4 weights
+    -> [G, M, N] by the Pallas batched matmul where `policy.kernels` picks it (decode's dense form, inside the
+    experts' shard_map), else None."""
+    impl = kernel_impl(policy)
+    if impl == "reference" or not isinstance(w, Stored) or w.kind != MXFP4:
+        return None
+    check_held(MXFP4, w.values, w.scales, "routed experts")
+    return weight_matmul.mxfp4_bmm(x.astype(policy.compute_dtype), w.values, _bytes(w.scales),
+                                   out_dtype=policy.compute_dtype, interpret=impl == "pallas_interpret")
