@@ -94,19 +94,24 @@ def _gmm_kernel(groups_ref, used_ref, xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_r
 
     @pl.when(pl.program_id(0) < used_ref[0])   # row tiles past the groups' own: no work (and no new weight tile)
     def _():
-        @pl.when(k == 0)
-        def _():
-            acc_ref[...] = jnp.zeros_like(acc_ref)
+        _accumulate(xe_ref[...], xo_ref[...], p_ref, s_ref, acc_ref, k, o_ref, ...)
 
-        xe, xo = xe_ref[...], xo_ref[...]
-        even, odd = _mxfp4_tiles(p_ref[0], s_ref[0], xe.dtype)
-        p = _precision(xe.dtype)
-        acc_ref[...] += (jnp.dot(xe, even, preferred_element_type=jnp.float32, precision=p)
-                         + jnp.dot(xo, odd, preferred_element_type=jnp.float32, precision=p))
 
-        @pl.when(k == pl.num_programs(2) - 1)
-        def _():
-            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+def _accumulate(xe, xo, p_ref, s_ref, acc_ref, k, o_ref, out_at):
+    """One K tile of an MXFP4 matmul: acc += xe @ even + xo @ odd of the decoded tile (acc zeroed at K tile 0);
+    at the last K tile, o_ref[out_at] = acc in the output's dtype."""
+    @pl.when(k == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    even, odd = _mxfp4_tiles(p_ref[0], s_ref[0], xe.dtype)
+    pr = _precision(xe.dtype)
+    acc_ref[...] += (jnp.dot(xe, even, preferred_element_type=jnp.float32, precision=pr)
+                     + jnp.dot(xo, odd, preferred_element_type=jnp.float32, precision=pr))
+
+    @pl.when(k == pl.num_programs(2) - 1)
+    def _():
+        o_ref[out_at] = acc_ref[...].astype(o_ref.dtype)
 
 
 def _precision(dtype):
@@ -331,21 +336,8 @@ def _bmm_layout(x, p, s, bk2, bn):
 def _bmm_kernel(xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref):
     k = pl.program_id(2)
     bk2 = p_ref.shape[1]
-
-    @pl.when(k == 0)
-    def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    at = pl.ds(pl.multiple_of(k * bk2, bk2), bk2)
-    xe, xo = xe_ref[0, :, at], xo_ref[0, :, at]
-    even, odd = _mxfp4_tiles(p_ref[0], s_ref[0], xe.dtype)
-    pr = _precision(xe.dtype)
-    acc_ref[...] += (jnp.dot(xe, even, preferred_element_type=jnp.float32, precision=pr)
-                     + jnp.dot(xo, odd, preferred_element_type=jnp.float32, precision=pr))
-
-    @pl.when(k == pl.num_programs(2) - 1)
-    def _():
-        o_ref[0] = acc_ref[...].astype(o_ref.dtype)
+    at = pl.ds(pl.multiple_of(k * bk2, bk2), bk2)      # the expert's rows are held whole: this K tile of them
+    _accumulate(xe_ref[0, :, at], xo_ref[0, :, at], p_ref, s_ref, acc_ref, k, o_ref, 0)
 
 
 def mxfp4_bmm(x, p_bytes, s_bytes, *, bk2: int = 512, bn: int = 1024, out_dtype=jnp.float32,
