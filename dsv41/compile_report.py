@@ -275,16 +275,18 @@ def compile_step(cfg, mesh, rules, *, weights: str, batch: int, seq: int, contex
     return out
 
 
-def flop_counting_lowering(cfg, *, batch: int, context: int, weights: str, seq: int = 1):
+def flop_counting_lowering(cfg, *, batch: int, context: int, weights: str, seq: int = 1, held: bool = False):
     """The step (seq = 1: decode, else a prefill chunk) lowered on one CPU device at static shapes, for
     counting its arithmetic (`jax.stages.Lowered`): the XLA reference path (a Pallas kernel is a custom call XLA
     counts as nothing), the layer stacks, Sinkhorn and the indexer's head loop unrolled and the experts as one
     matmul per pick (XLA's cost analysis counts a loop body once and a ragged_dot as dense over its groups).
     Lowering takes seconds where a full-size TPU compile takes minutes, so a context sweep is cheap. The weights
     are lowered plain (bf16), whatever `weights` (the format the analytic count weighs, `flop_model`): XLA counts
-    a held weight's dequantisation as FLOPs, which are not the model's arithmetic."""
+    a held weight's dequantisation as FLOPs, which are not the model's arithmetic. held: lower the weights as
+    `weights` holds them instead (the program as it runs, dequantisation included; `verify --full-size-contexts`)."""
     mesh = sh.make_mesh({}, devices=jax.devices("cpu")[:1])
-    cfg = config_lib.build(cfg.to_dict(), ['runtime.kernels="reference"', *config_lib.weight_format_overrides("bf16")])
+    fmt = weights if held else "bf16"
+    cfg = config_lib.build(cfg.to_dict(), ['runtime.kernels="reference"', *config_lib.weight_format_overrides(fmt)])
     args, pshard = abstract_inputs(cfg, mesh, "serve", batch=batch, seq=seq, context=context,
                                    engram_host=False)
     fn = sh.step_function(cfg, mesh, "serve", tokens_shape=(batch, seq), ids_shape=None if args[4] is None else

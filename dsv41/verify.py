@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -186,14 +187,30 @@ def decode_flops(cfg, capacity: int, weights: str = "bf16") -> dict:
             "weighted": matmuls["weighted"] + (raw - matmuls["total"])}
 
 
-def full_size_flops(contexts, *, config: str = "v41_flash", progress=lambda msg: None) -> list[dict]:
-    """Decode FLOPs per token of the full-size model (FP8 weights) at each context, raw and weighted, relative
-    to the first: the AOT compile report's lowering on this CPU (`dsv41 compile-report --sweep-context`)."""
-    cfg = load_config(config)
+def full_size_flops(contexts, *, config: str = "v41_flash", overrides=(), progress=lambda msg: None) -> list[dict]:
+    """Decode FLOPs per token of the full-size model at each context, raw and weighted (the weights at the
+    formats they ship in), relative to the first: the AOT compile report's lowering on this CPU (`dsv41
+    compile-report --sweep-context`). Each context's step is lowered twice: with plain weights for the model's
+    arithmetic, and with the weights held as shipped (`held`: the program as it runs, the parameters' bytes and
+    XLA's FLOPs with the dequantisation inside each matmul)."""
+    import jax
+
+    from dsv41 import compile_report
+
+    cfg = load_config(config, list(overrides))
     rows = []
     for c in contexts:
-        rows.append({"context": c, **decode_flops(cfg, c, weights="shipped")})
-        progress(f"full size: context {c}: {rows[-1]['raw']:.3e} FLOPs/token")
+        row = {"context": c, **decode_flops(cfg, c, weights="shipped")}
+        t0 = time.perf_counter()
+        lowered = compile_report.flop_counting_lowering(cfg, batch=1, context=c, weights="shipped", held=True)
+        cost = lowered.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        params = lowered.args_info[0][0]
+        row["held"] = {"lower_s": round(time.perf_counter() - t0, 2), "flops_per_token": float(cost["flops"]),
+                       "param_bytes": sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(params))}
+        rows.append(row)
+        progress(f"full size: context {c}: {row['raw']:.3e} FLOPs/token; as shipped {row['held']['flops_per_token']:.3e} "
+                 f"with the dequantisation, {row['held']['param_bytes'] / 1e9:.1f} GB of parameters")
     for r in rows:
         r["raw_relative"], r["weighted_relative"] = r["raw"] / rows[0]["raw"], r["weighted"] / rows[0]["weighted"]
     return rows

@@ -58,7 +58,7 @@ def plots(results: dict, out: Path) -> list[str]:
         ax.plot(ctx, [r["decode_flops"]["raw_relative"] for r in sw], "o-", label="XLA decode FLOPs, raw")
         ax.plot(ctx, [r["decode_flops"]["weighted_relative"] for r in sw], "s-",
                 label="precision-weighted (BF16 1, FP8 0.5, FP4 0.25)")
-        for r_name, rows in (("V4.1-Flash (full size, FP8 weights)", results.get("full_size_flops") or []),):
+        for r_name, rows in (("V4.1-Flash (full size, weights as shipped)", results.get("full_size_flops") or []),):
             if rows:
                 ax.plot([r["context"] for r in rows], [r["raw_relative"] for r in rows], "o:", label=f"{r_name}, raw")
                 ax.plot([r["context"] for r in rows], [r["weighted_relative"] for r in rows], "s:",
@@ -127,10 +127,14 @@ def report_md(results: dict) -> str:
                   "(`dsv41.verify.decode_flops`).", ""]
     fs = results.get("full_size_flops")
     if fs:
-        lines += ["### Full size (V4.1-Flash, FP8 weights, lowered on this CPU)", ""]
-        lines += _md_table(["context", "decode FLOPs/token raw", "weighted", f"raw / weighted vs {fs[0]['context']}"],
+        lines += ["### Full size (V4.1-Flash, the weights as shipped, lowered on this CPU)", ""]
+        held = all("held" in r for r in fs)
+        lines += _md_table(["context", "decode FLOPs/token raw", "weighted", f"raw / weighted vs {fs[0]['context']}"]
+                           + (["as shipped: FLOPs/token with dequantisation", "parameter GB"] if held else []),
                            [[r["context"], f"{r['raw']:.3e}", f"{r['weighted']:.3e}",
-                             f"{r['raw_relative']:.3f}× / {r['weighted_relative']:.3f}×"] for r in fs])
+                             f"{r['raw_relative']:.3f}× / {r['weighted_relative']:.3f}×"]
+                            + ([f"{r['held']['flops_per_token']:.3e}", f"{r['held']['param_bytes'] / 1e9:.1f}"]
+                               if held else []) for r in fs])
         lines += [""]
     mem = results.get("memory")
     if mem:

@@ -336,7 +336,8 @@ def _bmm_layout(x, p, s, bk2, bn):
 def _bmm_kernel(xe_ref, xo_ref, p_ref, s_ref, o_ref, acc_ref):
     k = pl.program_id(2)
     bk2 = p_ref.shape[1]
-    at = pl.ds(pl.multiple_of(k * bk2, bk2), bk2)      # the expert's rows are held whole: this K tile of them
+    # the expert's rows are held whole: this K tile of them (one K tile: all of them, no lane slice to prove)
+    at = slice(None) if bk2 == xe_ref.shape[2] else pl.ds(pl.multiple_of(k * bk2, bk2), bk2)
     _accumulate(xe_ref[0, :, at], xo_ref[0, :, at], p_ref, s_ref, acc_ref, k, o_ref, 0)
 
 

@@ -82,7 +82,8 @@ def test_shipped_weights_equal_their_float32_dequantisation_in_every_step(name, 
 def test_device_bytes_of_shipped_parameters_equal_the_formats_formula():
     """tiny with an Engram layer, bf16 elsewhere: the bytes on device of every parameter equal, per weight the
     release quantises, E4M3 R·C + UE8M0 ⌈R/32⌉·⌈C/32⌉ (FP8 blocks), E2M1 R·C/2 + UE8M0 R/32·C (MXFP4 experts,
-    R the inputs), E4M3 R·C + UE8M0 R·C/32 (Engram rows), and the other parameters as the bf16 model holds them."""
+    R the inputs), E4M3 R·C + UE8M0 R·C/32 (Engram rows), and the other parameters as the bf16 model holds them;
+    so are the parameters of the decode step `verify --full-size-contexts` lowers as shipped."""
     bf16 = ['runtime.param_dtype="bfloat16"', ENGRAM]
     cfg = load_config("tiny", ['runtime.weight_format="shipped"', *bf16])
     params = model.init_params(cfg, jax.random.key(0))
@@ -105,6 +106,10 @@ def test_device_bytes_of_shipped_parameters_equal_the_formats_formula():
             want += x.size * jnp.dtype(x.dtype).itemsize
     assert all(kinds.values()), kinds
     assert got == want, (got, want)
+    # `verify --full-size-contexts` lowers the decode step with the weights as held: the same bytes go in
+    from dsv41 import verify
+    held = verify.full_size_flops([64], config="tiny", overrides=bf16)[0]["held"]
+    assert held["param_bytes"] == want, (held, want)
 
 
 def test_the_formats_decode_as_ml_dtypes_grids_say():
