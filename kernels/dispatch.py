@@ -114,8 +114,8 @@ def indexer_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS,
     if impl == "reference":
         return indexer_scores.indexer_top_k_reference(*args)
     return per_device(lambda *a: indexer_scores.indexer_top_k(*a, backend=_indexer_body(layout),
-                                                               interpret=impl == "pallas_interpret"), *args,
-                       layout=layout)
+                                                              interpret=impl == "pallas_interpret"), *args,
+                      layout=layout)
 
 
 def scores_and_pool(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_BS, ratio: int, *, top_k: int,
@@ -127,8 +127,8 @@ def scores_and_pool(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, positions_B
     if impl == "reference":
         return candidate_pool.scores_and_pool_reference(*args, **kw)
     return per_device(lambda *a: candidate_pool.scores_and_pool(*a, **kw, backend=_indexer_body(layout),
-                                                                 interpret=impl == "pallas_interpret"), *args,
-                       layout=layout)
+                                                                interpret=impl == "pallas_interpret"), *args,
+                      layout=layout)
 
 
 def pool_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, block: int, positions_BS, ratio: int,
@@ -139,5 +139,5 @@ def pool_top_k(q_BSJd, w_BSJ, index_keys_BTh, index_scales_BTc, block_ids_BSn, b
     if impl == "reference":
         return candidate_pool.pool_top_k_reference(*args)
     return per_device(lambda *a: candidate_pool.pool_top_k(*a, backend=_indexer_body(layout),
-                                                            interpret=impl == "pallas_interpret"), *args,
-                       layout=layout)
+                                                           interpret=impl == "pallas_interpret"), *args,
+                      layout=layout)

@@ -307,7 +307,7 @@ def experts_parallel(layout: ExpertLayout, x_ND, weights_Nk, idx_Nk, w1_EDI, w3_
         spec = P(spec_entry(tokens), None)
     up = P(spec_entry(layout.expert_axes), None, spec_entry(layout.tensor_axes))
     down = P(spec_entry(layout.expert_axes), spec_entry(layout.tensor_axes), None)
-    # A Pallas kernel inside (the MXFP4 grouped matmul) has no varying-axes rule: checked only without one (the
+    # A Pallas kernel inside (the MXFP4 grouped or batched matmul) has no varying-axes rule: checked only without one (the
     # kernels run in inference, never under a gradient).
     kernels = (isinstance(w1_EDI, weights.Stored)
                and weights.kernel_impl(policy) != "reference")

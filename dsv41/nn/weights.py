@@ -299,15 +299,24 @@ def fp8_matmul(x, values, scales, policy):
     return y.reshape(*lead, -1)
 
 
-def mxfp4_ragged_dot(x, w: "Stored", sizes, policy):
-    """`lax.ragged_dot(x, w, sizes)` for routed experts held as MXFP4, by the Pallas grouped matmul where
-    `policy.kernels` picks it (per device: the caller runs inside the experts' shard_map), else None."""
+def _mxfp4_kernel(w, policy) -> str | None:
+    """The MXFP4 kernels' mode ('pallas' or 'pallas_interpret') for the routed experts `w` under `policy`, after
+    checking the held pair; None where the XLA path runs (reference mode, or experts not held as MXFP4)."""
     impl = kernel_impl(policy)
     if impl == "reference" or not isinstance(w, Stored) or w.kind != MXFP4:
         return None
     check_held(MXFP4, w.values, w.scales, "routed experts")
+    return impl
+
+
+def mxfp4_ragged_dot(x, w: "Stored", sizes, policy):
+    """`lax.ragged_dot(x, w, sizes)` for routed experts held as MXFP4, by the Pallas grouped matmul where
+    `policy.kernels` picks it (per device: the caller runs inside the experts' shard_map), else None."""
+    impl = _mxfp4_kernel(w, policy)
+    if impl is None:
+        return None
     g = w.values.shape[0]
-    bm = 16 if x.shape[0] <= 16 * g else 128          # few rows a group (decode): short row tiles, little padding
+    bm = 16 if x.shape[0] <= 16 * g else 128          # few rows a group: short row tiles, little padding
     return weight_matmul.mxfp4_gmm(x.astype(policy.compute_dtype), w.values, _bytes(w.scales), sizes, bm=bm,
                                    out_dtype=policy.compute_dtype, interpret=impl == "pallas_interpret")
 
@@ -316,9 +325,8 @@ def mxfp4_bmm(x, w: "Stored", policy):
     """x [1 or G, M, K] (the same rows for every expert, or each expert's own) @ the routed experts' MXFP4 weights
     -> [G, M, N] by the Pallas batched matmul where `policy.kernels` picks it (decode's dense form, inside the
     experts' shard_map), else None."""
-    impl = kernel_impl(policy)
-    if impl == "reference" or not isinstance(w, Stored) or w.kind != MXFP4:
+    impl = _mxfp4_kernel(w, policy)
+    if impl is None:
         return None
-    check_held(MXFP4, w.values, w.scales, "routed experts")
     return weight_matmul.mxfp4_bmm(x.astype(policy.compute_dtype), w.values, _bytes(w.scales),
                                    out_dtype=policy.compute_dtype, interpret=impl == "pallas_interpret")
